@@ -1,0 +1,1 @@
+"""invoke collections, one module per area; tasks.py only assembles them."""

@@ -1,0 +1,8 @@
+"""rig's command line: `inv --list`. Thin by design — every task is one call into rig."""
+
+from invoke import Collection
+
+from rig.cli import env
+
+ns = Collection()
+ns.add_collection(env.ns)
