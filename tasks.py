@@ -2,7 +2,8 @@
 
 from invoke import Collection
 
-from rig.cli import env
+from rig.cli import env, serve
 
 ns = Collection()
 ns.add_collection(env.ns)
+ns.add_task(serve.serve)

@@ -1,0 +1,52 @@
+"""`inv serve` and `inv plan`: resolve a profile into a plan, show it, or serve it."""
+
+from __future__ import annotations
+
+import sys
+
+from invoke import Exit, task
+
+HELP = {
+    "profile": "profile name (profiles/*.toml): batch, single-user, kvarn",
+    "overlay": "overlay to apply (profiles/overlays/*.toml), repeatable, in order: tp2, quality, multinode, ...",
+    "set": "KNOB=value, repeatable; wins over everything else (see docs/profiles.md)",
+    "platform": "cpu or gpu; default: gpu when NVML finds a CUDA device, else cpu",
+    "dry_run": "print the plan and exit without starting anything",
+    "json": "with --dry-run: print the plan as JSON",
+}
+
+
+def _plan(profile, overlay, set, platform):
+    from rig.plan import PlanError, resolve
+
+    sets = {}
+    for item in set or []:
+        if "=" not in item:
+            raise Exit(f"rig: error: --set {item!r}: expected KNOB=value, e.g. --set PREFIX_CACHE=1", code=2)
+        k, v = item.split("=", 1)
+        sets[k.strip()] = v.strip()
+    try:
+        return resolve(profile, overlay or [], platform or None, sets=sets)
+    except PlanError as e:
+        raise Exit("\n".join(f"rig: error: {m}" for m in e.messages), code=2) from None
+
+
+@task(iterable=["overlay", "set"], help=HELP)
+def serve(c, profile="batch", overlay=None, set=None, platform="", dry_run=False, json=False):
+    """Serve a profile: preflight, start vllm serve, prove it answers, stay up until Ctrl-C."""
+    from rig import planview
+    from rig.plan import PlanError, check_with_vllm
+
+    plan = _plan(profile, overlay, set, platform)
+    if dry_run:
+        try:
+            check_with_vllm(plan.argv)
+        except PlanError as e:
+            raise Exit("\n".join(f"rig: error: {m}" for m in e.messages), code=2) from None
+        sys.stdout.write(plan.to_json() if json else planview.render(plan))
+        return
+    from rig.serve import run_foreground
+
+    code = run_foreground(plan)
+    if code:
+        raise Exit(code=code)

@@ -1,0 +1,270 @@
+"""Profile + overlays + environment + --set -> one Plan: the `vllm serve` argv, its env, what it needs.
+
+Resolution is a pure function of the repository's files and the given inputs, so the same
+inputs give a byte-identical plan on any host (golden files in tests/golden/ hold us to it).
+Precedence, lowest first: base < profile (its extends chain) < overlays in the order given <
+the platform overlay (cpu/gpu: it states what the hardware can do) < environment knobs <
+``--set KNOB=value``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rig import profiles
+from rig.knobs import INT8_LAYER_ALIASES, KVARN_BLOCK_SIZES, Knobs, KnobError, coerce, validate
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+FP8_ACT_ARCHS = ("sm89", "sm120")
+
+
+class PlanError(ValueError):
+    """The inputs cannot make a valid plan; ``messages`` name each knob, value and what is allowed."""
+
+    def __init__(self, messages: list[str]) -> None:
+        super().__init__("\n".join(messages))
+        self.messages = messages
+
+
+class Plan(BaseModel):
+    """Everything `serve` needs to start one server, and nothing host-specific."""
+
+    model_config = ConfigDict(frozen=True)
+
+    schema_version: Literal[1] = 1
+    profile: str = Field(description="profile name (file stem under profiles/)")
+    overlays: list[str] = Field(description="overlays applied, in order (the platform overlay last)")
+    platform: Literal["cpu", "gpu"] = Field(description="where it runs: vLLM's CPU backend or CUDA")
+    knobs: dict[str, Any] = Field(description="every knob's resolved value")
+    sources: dict[str, str] = Field(description="where each knob's value came from")
+    model: str = Field(description="checkpoint folder, relative to the repository when inside it")
+    served_name: str = Field(description="--served-model-name")
+    argv: list[str] = Field(description="the `vllm serve` command line")
+    env: dict[str, str] = Field(description="environment variables the server needs (besides caches, API key)")
+    patches: list[str] = Field(description="vLLM patches (patches/series) the plan relies on")
+    kernels: list[str] = Field(description="rig kernels (kernels/) the plan relies on")
+    api_key_file: str = Field(description="where the API key is read from (and generated if absent)")
+    warnings: list[str] = Field(description="knob values that were adjusted or ignored, and why")
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(), indent=2, sort_keys=True) + "\n"
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+
+def detect_platform() -> Literal["cpu", "gpu"]:
+    """gpu when NVML finds a CUDA device, else cpu (the embedded default)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return "gpu" if pynvml.nvmlDeviceGetCount() > 0 else "cpu"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no driver, no library: a CPU host
+        return "cpu"
+
+
+def _layer(values: dict, sources: dict, knobs: Mapping[str, Any], source: str) -> None:
+    for k, v in knobs.items():
+        values[k] = v
+        sources[k] = source
+
+
+def gather(profile: str, overlays: Sequence[str], platform: str, environ: Mapping[str, str],
+           sets: Mapping[str, str]) -> tuple[dict, dict, profiles.ProfileFile, list[str]]:
+    """Knob values and their sources, layer by layer, before validation."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    lineage = profiles.chain(profile)
+    for link in lineage:
+        _layer(values, sources, profiles.load_file(link).knobs, f"profile:{link}")
+    names = [o for o in overlays if o not in ("cpu", "gpu")] + [platform]
+    for name in names:
+        ov = profiles.load_file(name, "overlay")
+        _layer(values, sources, ov.knobs, f"overlay:{name}")
+        for link in lineage:
+            if link in ov.profiles:
+                _layer(values, sources, ov.profiles[link].knobs, f"overlay:{name}[{link}]")
+    known = set(Knobs.model_fields)
+    _layer(values, sources, {k: coerce(k, v) for k, v in environ.items() if k in known}, "env")
+    bad = [k for k in sets if k not in known]
+    if bad:
+        raise PlanError([f"--set {k}: unknown knob; known knobs are {', '.join(sorted(known))}" for k in bad])
+    _layer(values, sources, {k: coerce(k, v) for k, v in sets.items()}, "--set")
+    return values, sources, profiles.merged(profile), names
+
+
+def rules(k: Knobs, pf: profiles.ProfileFile, platform: str) -> tuple[list[str], list[str], dict[str, Any]]:
+    """Cross-knob rules: (errors, warnings, knob overrides the rules impose)."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    fix: dict[str, Any] = {}
+    if k.SPEC != "off" and not pf.speculative:
+        warnings.append(f"SPEC={k.SPEC!r} is ignored on this profile (speculative decoding costs batch throughput)")
+        fix["SPEC"] = "off"
+    if k.KV == "kvarn" and k.BLOCK_SIZE not in KVARN_BLOCK_SIZES:
+        errors.append(f"BLOCK_SIZE={k.BLOCK_SIZE}: KV='kvarn' needs its block size; allowed: {KVARN_BLOCK_SIZES}")
+    if k.INT8_ACT == "fp8" and k.GPU_ARCH not in FP8_ACT_ARCHS:
+        errors.append(f"INT8_ACT='fp8': fp8 activations need SM89 or SM12x, the target is {k.GPU_ARCH} "
+                      f"(the RTX 3090 is sm86); allowed there: '', 'int8'")
+    if platform == "cpu":
+        if k.GPU_ARCH != "cpu":
+            errors.append(f"GPU_ARCH={k.GPU_ARCH!r}: the cpu platform needs GPU_ARCH='cpu'")
+        if k.INT8_ACT:
+            errors.append(f"INT8_ACT={k.INT8_ACT!r}: Marlin int8 activations are CUDA-only; allowed on cpu: ''")
+        if k.KV == "kvarn":
+            errors.append("KV='kvarn': the KVarN cache is a CUDA kernel; allowed on cpu: auto, fp8, bfloat16")
+        if k.PREFILL_ATTN != "auto":
+            errors.append(f"PREFILL_ATTN={k.PREFILL_ATTN!r}: a CUDA kernel; allowed on cpu: 'auto'")
+    elif k.GPU_ARCH == "cpu":
+        errors.append("GPU_ARCH='cpu' on the gpu platform; allowed: sm86, sm89, sm90, sm100, sm120")
+    if k.HOST not in LOOPBACK:
+        warnings.append(f"HOST={k.HOST!r} is reachable from the network: every request needs the API key")
+    if k.TOOLS and k.TOOL_PARSER == "hermes":
+        warnings.append("TOOL_PARSER='hermes' parses JSON calls; this model emits XML calls, which will come back "
+                        "as plain text (use qwen3_coder)")
+    if k.EXECUTOR == "ray" and k.PP * k.TP == 1:
+        warnings.append("EXECUTOR='ray' with TP=1 and PP=1 runs on one GPU: the Ray cluster is unused")
+    return errors, warnings, fix
+
+
+def _flag(name: str, value: Any) -> list[str]:
+    """vLLM's own convention: snake -> --kebab, bool -> --x / --no-x, dict -> JSON."""
+    opt = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [opt] if value else ["--no-" + name.replace("_", "-")]
+    if isinstance(value, dict):
+        return [opt, json.dumps(value, sort_keys=True, separators=(",", ":"))]
+    return [opt, str(value)]
+
+
+def model_path(ref: str) -> str:
+    """`tiny:<arch>` -> the folder rig builds it in (relative to the repo when inside it)."""
+    if ref.startswith("tiny:"):
+        from rig import paths
+        from rig.models.tiny import TinySpec
+
+        arch = ref.split(":", 1)[1]
+        if arch not in ("hybrid", "dense"):
+            raise PlanError([f"MODEL={ref!r}: unknown tiny model; allowed: tiny:hybrid, tiny:dense"])
+        folder = paths.models_dir() / TinySpec(arch=arch).name
+        try:
+            return str(folder.relative_to(paths.ROOT))
+        except ValueError:
+            return str(folder)
+    return ref
+
+
+def build_argv(k: Knobs, pf: profiles.ProfileFile, model: str) -> list[str]:
+    """The `vllm serve` command line for validated knobs (pure)."""
+    argv = ["vllm", "serve", model,
+            "--host", k.HOST, "--port", str(k.PORT), "--served-model-name", k.SERVED_NAME,
+            "--max-model-len", str(k.MAX_LEN), "--max-num-seqs", str(k.MAX_SEQS),
+            "--gpu-memory-utilization", str(k.GPU_UTIL), "--mamba-ssm-cache-dtype", k.MAMBA_SSM_DTYPE]
+    if k.PREFIX_CACHE:
+        argv += ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
+    else:
+        argv += ["--no-enable-prefix-caching"]
+    if k.KV != "auto":
+        argv += ["--kv-cache-dtype", k.KV]
+    if k.BLOCK_SIZE:
+        argv += ["--block-size", str(k.BLOCK_SIZE)]
+    if k.TOOLS:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", k.TOOL_PARSER]
+    if k.SPEC == "mtp":
+        argv += _flag("speculative_config", {"method": "mtp", "num_speculative_tokens": k.SPEC_K})
+    elif k.SPEC == "dflash2":
+        argv += _flag("speculative_config",
+                      {"method": "dflash", "model": k.DRAFT_MODEL, "num_speculative_tokens": k.SPEC_K})
+    if k.TP > 1:
+        argv += ["--tensor-parallel-size", str(k.TP)]
+    if k.PP > 1:
+        argv += ["--pipeline-parallel-size", str(k.PP)]
+    if k.EXECUTOR == "ray":
+        argv += ["--distributed-executor-backend", "ray"]
+    if k.ENFORCE_EAGER:
+        argv += ["--enforce-eager"]
+    for name in sorted(pf.serve):
+        argv += _flag(name, pf.serve[name])
+    return argv
+
+
+def needs(k: Knobs) -> tuple[dict[str, str], list[str], list[str]]:
+    """(env, patches, kernels) the knobs imply."""
+    env: dict[str, str] = {}
+    patches = ["auth-deny-default"]
+    kernels: list[str] = []
+    if k.INT8_ACT:
+        env["VLLM_MARLIN_INPUT_DTYPE"] = k.INT8_ACT
+        env["VLLM_MARLIN_INT8_INCLUDE_RE"] = INT8_LAYER_ALIASES.get(k.INT8_LAYERS, k.INT8_LAYERS)
+        patches.append("marlin-int8-layer-select")
+    if k.PREFIX_CACHE:
+        patches.append("mamba-align-checkpoint-order")
+    if k.KV == "kvarn":
+        kernels.append("kvarn")
+    if k.PREFILL_ATTN == "int8":
+        kernels.append("int8-prefill-attn")
+    return env, sorted(patches), kernels
+
+
+def resolve(profile: str, overlays: Sequence[str] = (), platform: str | None = None,
+            environ: Mapping[str, str] | None = None, sets: Mapping[str, str] | None = None) -> Plan:
+    """The plan for these inputs; PlanError (listing every problem) when they are invalid."""
+    platform = platform or detect_platform()
+    environ = os.environ if environ is None else environ
+    try:
+        values, sources, pf, applied = gather(profile, overlays, platform, environ, sets or {})
+    except profiles.ProfileError as e:
+        raise PlanError([str(e)]) from None
+    try:
+        knobs = validate(values)
+    except KnobError as e:
+        raise PlanError([f"{m} (set by {sources.get(m.split('=')[0], '?')})" for m in e.messages]) from None
+    errors, warnings, fix = rules(knobs, pf, platform)
+    if errors:
+        raise PlanError(errors)
+    knobs = knobs.model_copy(update=fix)
+    for name in fix:
+        sources[name] = "rule"
+    model = model_path(knobs.MODEL)
+    env, patches, kernels = needs(knobs)
+    return Plan(
+        profile=profile, overlays=applied, platform=platform,
+        knobs=knobs.model_dump(), sources=dict(sorted(sources.items())),
+        model=model, served_name=knobs.SERVED_NAME, argv=build_argv(knobs, pf, model),
+        env={**pf.env, **env}, patches=patches, kernels=kernels,
+        api_key_file=knobs.API_KEY_FILE, warnings=warnings,
+    )
+
+
+def check_with_vllm(argv: Sequence[str]) -> None:
+    """Parse the argv with vLLM 0.28's own `serve` parser (imported, not copied): PlanError if it refuses."""
+    import contextlib
+    import io
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # importing vLLM logs platform chatter
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = parser.parse_args(list(argv[2:]))
+        validate_parsed_serve_args(args)
+    except SystemExit:
+        msg = err.getvalue().strip().splitlines()
+        raise PlanError([f"vLLM's serve parser refused the plan: {msg[-1] if msg else 'unknown error'}"]) from None
+    except (TypeError, ValueError) as e:
+        raise PlanError([f"vLLM's serve parser refused the plan: {e}"]) from None

@@ -1,0 +1,225 @@
+"""`serve`: preflight every precondition, start the plan's server, prove it answers, keep it up.
+
+Everything that can be checked before a process starts is checked first (plan, vLLM's parser,
+device, model, patches, port, API key), so bad input costs seconds and leaves nothing behind.
+After /health turns green a 1-token completion and a burst of MAX_SEQS tiny requests run:
+out-of-memory failures of a GPU server show up there, not with the first real user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import stat
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from rig import paths
+from rig.plan import Plan, PlanError
+from rig.server import ServerError, VllmServer, log_tail, port_in_use
+
+
+class PreflightError(RuntimeError):
+    """A precondition of serving is not met; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the plan will run on."""
+
+    platform: str
+    name: str
+    arch: str
+    free_gib: float | None = None
+
+
+def probe_device(plan: Plan) -> Device:
+    """The CUDA device through NVML (its arch and free memory) or the CPU fallback."""
+    if plan.platform == "cpu":
+        import platform as pf
+
+        return Device("cpu", pf.processor() or pf.machine(), "cpu")
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            name = pynvml.nvmlDeviceGetName(h)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as e:
+        raise PreflightError(f"no CUDA GPU answers NVML ({e}); on a CPU host use the cpu overlay (the default there)")
+    dev = Device("gpu", str(name), f"sm{major}{minor}", mem.free / 2**30)
+    if dev.arch != plan.knobs["GPU_ARCH"]:
+        print(f"rig: warning: the plan targets {plan.knobs['GPU_ARCH']}, this GPU is {dev.arch} ({dev.name}); "
+              f"set GPU_ARCH={dev.arch} to validate for it", file=sys.stderr)
+    need = plan.knobs["GPU_UTIL"] * mem.total / 2**30
+    if dev.free_gib < need * 0.98:
+        raise PreflightError(f"GPU has {dev.free_gib:.1f} GiB free, GPU_UTIL={plan.knobs['GPU_UTIL']} needs "
+                             f"{need:.1f} GiB: stop what else uses it (nvidia-smi) or lower GPU_UTIL")
+    return dev
+
+
+def ensure_model(plan: Plan) -> Path:
+    """The plan's model folder, built when it is a tiny model, verified when it has a manifest."""
+    folder = Path(plan.model)
+    folder = folder if folder.is_absolute() else paths.ROOT / folder
+    if plan.knobs["MODEL"].startswith("tiny:"):
+        from rig.models.tiny import TinySpec, build
+
+        return build(TinySpec(arch=plan.knobs["MODEL"].split(":", 1)[1]), folder)
+    if not (folder / "config.json").is_file():
+        raise PreflightError(f"MODEL={plan.knobs['MODEL']!r}: no checkpoint at {folder} (config.json missing); "
+                             "put the W4A16 AutoRound checkpoint there or set MODEL=/path/to/it")
+    from rig.models.tiny import MANIFEST, verify
+
+    if (folder / MANIFEST).exists() and not verify(folder):
+        raise PreflightError(f"{folder}: files differ from its {MANIFEST}; re-download or rebuild it")
+    return folder
+
+
+def ensure_api_key(plan: Plan) -> tuple[Path, str]:
+    """Read the key file (mode 0600 required) or generate one; returns (path, key)."""
+    path = Path(plan.api_key_file)
+    path = path if path.is_absolute() else paths.ROOT / path
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise PreflightError(f"API_KEY_FILE {path} has mode {mode:o}: it must be readable by you only "
+                             f"(`chmod 600 {path}`)")
+    key = path.read_text().strip()
+    if len(key) < 16:
+        raise PreflightError(f"API_KEY_FILE {path}: the key is shorter than 16 characters; delete the file to "
+                             "generate a new one")
+    return path, key
+
+
+def check_patches(plan: Plan) -> None:
+    """The patches the plan relies on must be applied to the installed vLLM."""
+    from rig import patches
+
+    states = {p.name: p.state for p in patches.state().patches}
+    unknown = [n for n in plan.patches if n not in states]
+    if unknown:
+        raise PreflightError(f"the plan needs patches {', '.join(unknown)}, which patches/series does not have")
+    missing = [n for n in plan.patches if states[n] != patches.APPLIED]
+    if missing:
+        raise PreflightError(f"vLLM patches not applied: {', '.join(missing)}; run `inv patch.apply`")
+
+
+def check_kernels(plan: Plan) -> None:
+    if plan.kernels:
+        raise PreflightError(f"kernels {', '.join(plan.kernels)} are not built in this checkout (kernels/ has no "
+                             f"build of them yet); choose KV=fp8 / PREFILL_ATTN=auto")
+
+
+def preflight(plan: Plan) -> tuple[Device, Path, Path, str]:
+    """Every check that needs no server: (device, model folder, key path, key)."""
+    from rig.plan import check_with_vllm
+
+    check_with_vllm(plan.argv)
+    check_kernels(plan)
+    dev = probe_device(plan)
+    check_patches(plan)
+    port = plan.knobs["PORT"]
+    if port_in_use(port, "127.0.0.1" if plan.knobs["HOST"] in ("0.0.0.0", "::") else plan.knobs["HOST"]):
+        raise PreflightError(f"PORT={port} is in use: stop what listens there or set PORT to a free port")
+    model = ensure_model(plan)
+    key_path, key = ensure_api_key(plan)
+    return dev, model, key_path, key
+
+
+def server_for(plan: Plan, key: str, log_path: Path, echo: bool = False) -> VllmServer:
+    """A VllmServer for a plan: the venv's vllm, caches in the project, the key in the environment."""
+    argv = [str(Path(sys.executable).with_name("vllm")), *plan.argv[1:]]
+    env = {**paths.cache_env(), **plan.env, "VLLM_API_KEY": key}
+    host = "127.0.0.1" if plan.knobs["HOST"] in ("0.0.0.0", "::") else plan.knobs["HOST"]
+    return VllmServer(argv=argv, env=env, log_path=log_path, host=host, port=plan.knobs["PORT"],
+                      api_key=key, served_name=plan.served_name, echo=echo)
+
+
+async def _burst(server: VllmServer, n: int) -> list[str]:
+    """n tiny concurrent requests; returns the errors (empty when all succeeded)."""
+    body = {"model": server.served_name, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    async with httpx.AsyncClient(timeout=300.0, headers=server.headers()) as client:
+        async def one(i: int) -> str | None:
+            try:
+                r = await client.post(f"{server.url}/v1/completions", json={**body, "seed": i})
+                return None if r.status_code == 200 else f"request {i}: HTTP {r.status_code} {r.text[:200]}"
+            except httpx.HTTPError as e:
+                return f"request {i}: {e!r}"
+
+        results = await asyncio.gather(*(one(i) for i in range(n)))
+    return [r for r in results if r]
+
+
+def burst(server: VllmServer, n: int) -> None:
+    errors = asyncio.run(_burst(server, n))
+    if errors or not server.alive():
+        raise ServerError(f"readiness burst of {n} requests failed: {errors[:3]}\n{log_tail(server.log_path)}")
+
+
+def start(plan: Plan, echo: bool = False, log_path: Path | None = None, ready_timeout: float = 900.0) -> VllmServer:
+    """Preflight, start, wait until a completion and a MAX_SEQS burst succeed; returns the running server."""
+    dev, model, key_path, key = preflight(plan)
+    log_path = log_path or paths.logs_dir() / f"serve-{plan.profile}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+    server = server_for(plan, key, log_path, echo=echo)
+    server.start()
+    try:
+        server.wait_ready(timeout=ready_timeout)
+        burst(server, plan.knobs["MAX_SEQS"])
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def run_foreground(plan: Plan) -> int:
+    """`inv serve`: start, print where it is, stay up until Ctrl-C / SIGTERM, then stop the whole tree."""
+    if plan.platform == "cpu":
+        print("rig: no CUDA GPU here: serving on vLLM's CPU backend with the tiny hybrid model "
+              f"({plan.model}) — the same profile ({plan.profile}), scaled to this host", flush=True)
+    for w in plan.warnings:
+        print(f"rig: warning: {w}", file=sys.stderr, flush=True)
+    stopping = {"sig": None}
+
+    def on_signal(signum, _frame):
+        stopping["sig"] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    server = None
+    try:
+        server = start(plan, echo=True)
+        key_file = Path(plan.api_key_file)
+        print(f"\nrig: ready — {server.url}/v1  model: {plan.served_name}  API key: {key_file} (mode 0600)\n"
+              f"rig: log: {server.log_path}   stop: Ctrl-C", flush=True)
+        if plan.knobs["HOST"] not in ("127.0.0.1", "localhost", "::1"):
+            print(f"rig: listening on {plan.knobs['HOST']}: reachable from the network, API key required", flush=True)
+        while server.alive():
+            time.sleep(0.5)
+        print(f"rig: error: vllm serve exited with code {server.proc.returncode}:\n{log_tail(server.log_path)}",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nrig: stopping the server and all its processes", flush=True)
+        return 0
+    except (PreflightError, PlanError, ServerError) as e:
+        print(f"rig: error: {e}", file=sys.stderr)
+        return 2 if not isinstance(e, ServerError) else 1
+    finally:
+        if server is not None:
+            server.stop()

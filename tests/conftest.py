@@ -1,0 +1,82 @@
+"""Shared fixtures: a real `vllm serve` (CPU backend, tiny hybrid model) for the whole session.
+
+The server runs in its own process group and is stopped — with every process it forked — at the
+end of the session, when a test fails, on Ctrl-C (pytest tears fixtures down on
+KeyboardInterrupt) and on SIGTERM (turned into KeyboardInterrupt below).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rig import paths
+from rig.plan import Plan, resolve
+from rig.server import VllmServer, free_port
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
+signal.signal(signal.SIGTERM, _sigterm)
+
+
+def cpu_plan(profile: str, tmp: Path, **sets: str) -> Plan:
+    """A plan of `profile` on the cpu platform, on a free port, with a key file under ``tmp``."""
+    base = {"PORT": str(free_port()), "API_KEY_FILE": str(tmp / "api_key")}
+    return resolve(profile, platform="cpu", environ={}, sets={**base, **sets})
+
+
+def start_server(plan: Plan, log_dir: Path) -> VllmServer:
+    """Start a plan's server the way `serve` does (preflight, readiness burst) and return it."""
+    from rig.serve import start
+
+    return start(plan, log_path=log_dir / f"vllm-{plan.profile}-{plan.knobs['PORT']}.log")
+
+
+@pytest.fixture(scope="session")
+def session_tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("rig")
+
+
+@pytest.fixture(scope="session")
+def batch_server(session_tmp: Path) -> Iterator[VllmServer]:
+    """The batch profile on CPU with the tiny hybrid model: what `serve-batch` runs on a CPU host."""
+    server = start_server(cpu_plan("batch", session_tmp), session_tmp)
+    try:
+        yield server
+    finally:
+        pids = server.pids()
+        server.stop()
+        leftover = [p for p in pids if _alive(p)]
+        assert not leftover, f"processes survived the server's stop: {leftover}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny hybrid model folder (built once, deterministic)."""
+    from rig.models.tiny import default_hybrid
+
+    return default_hybrid()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _project_caches() -> None:
+    """Keep every cache of the code under test inside the project, as the servers do."""
+    os.environ.update(paths.cache_env())
