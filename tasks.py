@@ -2,8 +2,11 @@
 
 from invoke import Collection
 
-from rig.cli import env, serve
+from rig.cli import dev, env, serve
 
 ns = Collection()
 ns.add_collection(env.ns)
 ns.add_task(serve.serve)
+ns.add_task(serve.service)
+ns.add_task(dev.test)
+ns.add_task(dev.verify)

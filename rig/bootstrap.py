@@ -99,11 +99,12 @@ def parse_lock(path: Path) -> dict[str, str]:
 
 def reachable(url: str, timeout: float = 3.0) -> bool:
     """A quick TCP probe, so an unreachable extra index is left out instead of stalling pip."""
-    host = urllib.parse.urlparse(url).hostname
-    if not host:
+    parts = urllib.parse.urlparse(url)
+    if not parts.hostname:
         return False
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        with socket.create_connection((host, 443), timeout=timeout):
+        with socket.create_connection((parts.hostname, port), timeout=timeout):
             return True
     except OSError:
         return False
@@ -117,14 +118,21 @@ def _stamp(lock: Path) -> str:
     return h.hexdigest()
 
 
+def _index_url() -> str:
+    """The index pip will use (its own configuration decides; PyPI unless told otherwise)."""
+    r = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"], capture_output=True,
+                       text=True)
+    return os.environ.get("PIP_INDEX_URL") or r.stdout.strip() or "https://pypi.org/simple"
+
+
 def _pip_failure(log: str) -> str:
-    if re.search(r"NewConnectionError|Name or service not known|Temporary failure in name resolution|"
+    if not reachable(_index_url()) or re.search(r"NewConnectionError|Name or service not known|Temporary failure in name resolution|"
                  r"Network is unreachable|Connection refused|ConnectTimeout|ReadTimeout", log):
         return ("no network: the first install downloads ~3.5 GB of wheels from PyPI; connect this host "
                 "(or point PIP_INDEX_URL / PIP_FIND_LINKS at a mirror) and run again")
     if "THESE PACKAGES DO NOT MATCH THE HASHES" in log:
         return "a downloaded wheel does not match its hash in the lock: regenerate with `inv env.lock` or check your mirror"
-    m = re.search(r"No matching distribution found for (\S+)", log)
+    m = re.search(r"No matching distribution found for (\S+\+cpu)", log)
     if m:
         return (f"no wheel for {m.group(1)} on the reachable indexes (torch +cpu builds come from {TORCH_INDEX}; "
                 "set RIG_TORCH_INDEX or PIP_FIND_LINKS to a folder holding it)")
@@ -165,7 +173,8 @@ def ensure(env: str | None = None) -> Path:
     stamp_file = venv / ".rig-stamp"
     stamp = _stamp(lock)
     if not (stamp_file.exists() and stamp_file.read_text() == stamp):
-        install(venv, lock, ROOT / ".rig" / "logs" / "bootstrap.log")
+        state = Path(os.environ.get("RIG_STATE_DIR", ROOT / ".rig"))
+        install(venv, lock, state / "logs" / "bootstrap.log")
         stamp_file.write_text(stamp)
     fix = subprocess.run([str(venv / "bin" / "python"), "-m", "rig.envfix"], cwd=ROOT)
     if fix.returncode != 0:

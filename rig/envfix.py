@@ -11,7 +11,8 @@
    is edited; anything else is refused, so a different torchvision cannot be silently mangled.
 
 Run on every bootstrap (cheap: a few file reads). GPU environments (the ``vllm`` wheel) need
-neither fix and are left untouched.
+neither fix and are left untouched. Then rig's vLLM patch series (patches/) is applied to the
+installed tree, CPU or GPU alike, unless it already is.
 """
 
 from __future__ import annotations
@@ -103,6 +104,18 @@ def main() -> int:
         return 2
     for line in done:
         print(f"rig: env fix: {line}")
+    return apply_patches()
+
+
+def apply_patches() -> int:
+    """Every server rig starts runs on the patched tree; the patches are off behind env knobs."""
+    from rig import patches
+
+    try:
+        patches.ensure_applied(quiet=False)
+    except patches.PatchError as e:
+        print(f"rig: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -50,3 +50,20 @@ def serve(c, profile="batch", overlay=None, set=None, platform="", dry_run=False
     code = run_foreground(plan)
     if code:
         raise Exit(code=code)
+
+
+@task(iterable=["overlay", "set"], help={**{k: HELP[k] for k in ("profile", "overlay", "set", "platform")},
+                                         "out": "folder to write the unit and compose file into"})
+def service(c, profile="batch", overlay=None, set=None, platform="", out=".rig/service"):
+    """Write a systemd user unit and a docker compose service for a profile's plan."""
+    from pathlib import Path
+
+    from rig import paths
+    from rig.service import write
+
+    plan = _plan(profile, overlay, set, platform)
+    folder = Path(out) if Path(out).is_absolute() else paths.ROOT / out
+    for path in write(plan, folder):
+        print(f"wrote {path}")
+    print("systemd: cp the .service file to ~/.config/systemd/user/ && systemctl --user daemon-reload && "
+          f"systemctl --user enable --now rig-{profile}\ndocker: docker compose -f {folder}/compose.{profile}.yaml up -d")

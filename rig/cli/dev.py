@@ -1,0 +1,32 @@
+"""`inv test` and `inv verify`: the test suite, and the check that a host is set up right."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from invoke import Exit, task
+
+
+@task(help={"args": "extra pytest arguments, e.g. \"-k plan -x\"", "fast": "skip the slow tests (servers, training)"})
+def test(c, args="", fast=False):
+    """Run the whole test suite (real vLLM servers on CPU) and ruff."""
+    from rig import paths
+
+    lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--quiet", "."], cwd=paths.ROOT)
+    cmd = [sys.executable, "-m", "pytest", *(["-m", "not slow"] if fast else []), *args.split()]
+    code = subprocess.run(cmd, cwd=paths.ROOT).returncode
+    if code or lint.returncode:
+        raise Exit(code=code or lint.returncode)
+
+
+@task(iterable=["overlay", "set"], help={"profile": "profile whose server is checked live",
+                                         "overlay": "overlay (repeatable)", "set": "KNOB=value (repeatable)",
+                                         "no_live": "skip starting a server"})
+def verify(c, profile="batch", overlay=None, set=None, no_live=False):
+    """Check install, pins, patches, model and a live server; exit 1 on the first failure."""
+    from rig import verify as v
+    from rig.cli.serve import _plan
+
+    if not v.run(_plan(profile, overlay, set, ""), live=not no_live):
+        raise Exit(code=1)

@@ -1,0 +1,108 @@
+"""`verify`: is this host set up as rig expects? Install, pins, patches, model, and a live server.
+
+Each check prints one row; the first failing row says what to do. The live check starts the
+profile's server, asks it one completion and one chat turn, reads /metrics and stops it — the
+smallest proof that the numbers `bench` would print come from a working server.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from collections.abc import Callable
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from rig.plan import Plan
+
+
+def check_installed(env: str) -> str:
+    """Every package of the lock is installed at the locked version."""
+    from rig import paths
+    from rig.bootstrap import parse_lock
+
+    wrong = []
+    for name, version in parse_lock(paths.LOCKS / f"{env}.txt").items():
+        try:
+            have = md.version(name)
+        except md.PackageNotFoundError:
+            have = None
+        if have != version:
+            wrong.append(f"{name} {have or 'missing'} (lock: {version})")
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} packages differ from locks/{env}.txt: {', '.join(wrong[:4])}; "
+                           "rerun `python3 bootstrap.py` (or `pixi install`)")
+    return f"{env} lock: all packages at their locked versions"
+
+
+def check_pins() -> str:
+    from rig.envlock import LOCK_FEATURES, disagreements
+
+    bad = [d for env in LOCK_FEATURES for d in disagreements(env)]
+    if bad:
+        raise RuntimeError(f"locks disagree with pixi.toml: {bad[0]}; run `inv env.lock`")
+    return "locks/ agree with pixi.toml"
+
+
+def check_patches() -> str:
+    from rig import patches
+
+    st = patches.state()
+    bad = [f"{p.name}: {p.state}" for p in st.patches if p.state != patches.APPLIED]
+    if bad:
+        raise RuntimeError(f"patches not applied: {', '.join(bad)}; run `inv patch.apply`")
+    return f"vLLM {st.version}: {len(st.patches)} patches applied"
+
+
+def check_model(plan: Plan) -> str:
+    from rig.serve import ensure_model
+
+    return f"model ready: {ensure_model(plan)}"
+
+
+def check_live(plan: Plan) -> str:
+    from rig.serve import start
+
+    server = start(plan)
+    try:
+        with httpx.Client(timeout=120, headers=server.headers()) as c:
+            chat = c.post(f"{server.url}/v1/chat/completions", json={
+                "model": plan.served_name, "messages": [{"role": "user", "content": "Say hello."}],
+                "max_tokens": 8, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}})
+            chat.raise_for_status()
+            metrics = c.get(f"{server.url}/metrics").text
+            if "vllm:generation_tokens_total" not in metrics:
+                raise RuntimeError("/metrics has no vllm:generation_tokens_total")
+            if httpx.get(f"{server.url}/v1/models", timeout=30).status_code != 401:
+                raise RuntimeError("the server answers without the API key")
+    finally:
+        server.stop()
+    return f"live server ({plan.profile}, {plan.platform}): completion, chat, metrics, auth ok"
+
+
+def run(plan: Plan, live: bool = True) -> bool:
+    """Run every check, print the table; True when all passed."""
+    from rig.bootstrap import detect_env
+
+    checks: list[tuple[str, Callable[[], str]]] = [
+        ("install", lambda: check_installed(detect_env())),
+        ("pins", check_pins),
+        ("patches", check_patches),
+        ("model", lambda: check_model(plan)),
+    ]
+    if live:
+        checks.append(("server", lambda: check_live(plan)))
+    table = Table("check", "result", "detail")
+    ok = True
+    con = Console()
+    for name, fn in checks:
+        with con.status(f"verify: {name}…"):
+            try:
+                table.add_row(name, "ok", fn())
+            except Exception as e:
+                ok = False
+                table.add_row(name, "[red]FAIL[/red]", str(e).splitlines()[0])
+                break
+    con.print(table)
+    return ok
