@@ -24,46 +24,81 @@ class Knobs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    PREFIX_CACHE: Literal[0, 1] = Field(description=(
-        "1 = reuse a shared prompt prefix across requests (--enable-prefix-caching --mamba-cache-mode align); "
-        "0 = explicitly off (--no-enable-prefix-caching: 0.28 turns it on by default for these models)"))
-    KV: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "kvarn"] = Field(description=(
-        "KV cache dtype; `kvarn` = the KVarN 4/2-bit cache (262k context, needs kernels/kvarn and BLOCK_SIZE)"))
-    INT8_ACT: Literal["", "int8", "fp8"] = Field(description=(
-        "activations on the Marlin int4 GEMMs: `int8` (int8 tensor cores, weights stay int4), "
-        "empty = plain W4A16; `fp8` is refused on SM86 (RTX 3090)"))
-    INT8_LAYERS: str = Field(description=(
-        "which layers get int8 activations: `mlp`, `gate_up` (gentle), `.` (every linear) or a regex "
-        "searched in the layer name"))
+    PREFIX_CACHE: Literal[0, 1] = Field(
+        description=(
+            "1 = reuse a shared prompt prefix across requests (--enable-prefix-caching --mamba-cache-mode align); "
+            "0 = explicitly off (--no-enable-prefix-caching: 0.28 turns it on by default for these models)"
+        )
+    )
+    KV: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "kvarn"] = Field(
+        description=(
+            "KV cache dtype; `kvarn` = the KVarN 4/2-bit cache (262k context, needs kernels/kvarn and BLOCK_SIZE)"
+        )
+    )
+    INT8_ACT: Literal["", "int8", "fp8"] = Field(
+        description=(
+            "activations on the Marlin int4 GEMMs: `int8` (int8 tensor cores, weights stay int4), "
+            "empty = plain W4A16; `fp8` is refused on SM86 (RTX 3090)"
+        )
+    )
+    INT8_LAYERS: str = Field(
+        description=(
+            "which layers get int8 activations: `mlp`, `gate_up` (gentle), `.` (every linear) or a regex "
+            "searched in the layer name"
+        )
+    )
     MAX_SEQS: int = Field(ge=1, le=1024, description="scheduler slots (--max-num-seqs)")
     MAX_LEN: int = Field(ge=256, le=1_048_576, description="max context in tokens (--max-model-len)")
-    TOOLS: Literal[0, 1] = Field(description=(
-        "tool calling (--enable-auto-tool-choice --tool-call-parser TOOL_PARSER); 0 = off, and "
-        "`tool_choice: auto` then answers 400"))
-    TOOL_PARSER: Literal["qwen3_coder", "qwen3_xml", "hermes"] = Field(description=(
-        "tool-call parser; must match the model's XML call format (`qwen3_coder`); `hermes` parses JSON calls "
-        "this model never emits and fails silently"))
+    TOOLS: Literal[0, 1] = Field(
+        description=(
+            "tool calling (--enable-auto-tool-choice --tool-call-parser TOOL_PARSER); 0 = off, and "
+            "`tool_choice: auto` then answers 400"
+        )
+    )
+    TOOL_PARSER: Literal["qwen3_coder", "qwen3_xml", "hermes"] = Field(
+        description=(
+            "tool-call parser; must match the model's XML call format (`qwen3_coder`); `hermes` parses JSON calls "
+            "this model never emits and fails silently"
+        )
+    )
     PORT: int = Field(ge=1, le=65535, description="TCP port of the OpenAI-compatible server")
-    HOST: str = Field(description="bind address; loopback by default, 0.0.0.0 only with the API key (always on)")
-    GPU_UTIL: float = Field(gt=0, lt=1, description=(
-        "share of GPU memory vLLM may use (on CPU: of the NUMA node's RAM); use 0.93 for prompt_logprobs"))
-    SPEC: Literal["off", "mtp", "dflash2"] = Field(description=(
-        "speculative decoding: `dflash2` (DFlash2 drafter, DRAFT_MODEL), `mtp` (the model's MTP head), `off`"))
+    HOST: str = Field(
+        min_length=1,
+        pattern=r"^[^\s]+$",
+        description="bind address; loopback by default, 0.0.0.0 only with the API key (always on)",
+    )
+    GPU_UTIL: float = Field(
+        gt=0,
+        lt=1,
+        description=("share of GPU memory vLLM may use (on CPU: of the NUMA node's RAM); use 0.93 for prompt_logprobs"),
+    )
+    SPEC: Literal["off", "mtp", "dflash2"] = Field(
+        description=(
+            "speculative decoding: `dflash2` (DFlash2 drafter, DRAFT_MODEL), `mtp` (the model's MTP head), `off`"
+        )
+    )
     SPEC_K: int = Field(ge=1, le=32, description="draft tokens per step (num_speculative_tokens)")
-    DRAFT_MODEL: str = Field(description="DFlash2 drafter checkpoint (SPEC=dflash2)")
-    PREFILL_ATTN: Literal["auto", "int8"] = Field(description=(
-        "prefill attention kernel: `auto` (vLLM's choice) or `int8` (needs kernels/int8-prefill-attn)"))
-    MODEL: str = Field(description="checkpoint folder, or `tiny:hybrid` / `tiny:dense` for a model rig builds")
+    DRAFT_MODEL: str = Field(min_length=1, description="DFlash2 drafter checkpoint (SPEC=dflash2)")
+    PREFILL_ATTN: Literal["auto", "int8"] = Field(
+        description=("prefill attention kernel: `auto` (vLLM's choice) or `int8` (needs kernels/int8-prefill-attn)")
+    )
+    MODEL: str = Field(
+        min_length=1, description="checkpoint folder, or `tiny:hybrid` / `tiny:dense` for a model rig builds"
+    )
     SERVED_NAME: str = Field(min_length=1, description="model name clients send (--served-model-name)")
-    API_KEY_FILE: str = Field(description="file holding the API key (generated, mode 0600, when absent)")
+    API_KEY_FILE: str = Field(min_length=1, description="file holding the API key (generated, mode 0600, when absent)")
     TP: int = Field(ge=1, le=8, description="tensor-parallel GPUs (--tensor-parallel-size); must divide 24 and 4")
     PP: int = Field(ge=1, le=8, description="pipeline-parallel stages (--pipeline-parallel-size), e.g. across hosts")
     EXECUTOR: Literal["mp", "ray"] = Field(description="distributed executor: `mp` (one host) or `ray` (multi-node)")
-    MAMBA_SSM_DTYPE: Literal["float16", "bfloat16", "float32"] = Field(description=(
-        "recurrent (GDN) state dtype (--mamba-ssm-cache-dtype): fp16 fits ~2x the requests of fp32"))
+    MAMBA_SSM_DTYPE: Literal["float16", "bfloat16", "float32"] = Field(
+        description=("recurrent (GDN) state dtype (--mamba-ssm-cache-dtype): fp16 fits ~2x the requests of fp32")
+    )
     BLOCK_SIZE: int = Field(ge=0, le=4096, description="KV block size in tokens; 0 = vLLM's choice")
-    GPU_ARCH: Literal["sm86", "sm89", "sm90", "sm100", "sm120", "cpu"] = Field(description=(
-        "the target the plan is validated for (the RTX 3090 is sm86); serve checks the real device matches"))
+    GPU_ARCH: Literal["sm86", "sm89", "sm90", "sm100", "sm120", "cpu"] = Field(
+        description=(
+            "the target the plan is validated for (the RTX 3090 is sm86); serve checks the real device matches"
+        )
+    )
     ENFORCE_EAGER: Literal[0, 1] = Field(description="1 = no torch.compile / CUDA graphs (faster start, slower run)")
 
     @field_validator("INT8_LAYERS")

@@ -62,14 +62,14 @@ def load_file(name: str, kind: str = "profile") -> ProfileFile:
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
-        raise ProfileError(f"{path.relative_to(paths.ROOT)}: not valid TOML: {e}") from None
+        raise ProfileError(f"{path.relative_to(paths.PROFILES.parent)}: not valid TOML: {e}") from None
     try:
         pf = ProfileFile(**data)
     except ValidationError as e:
         where = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise ProfileError(f"{path.relative_to(paths.ROOT)}: {where}") from None
+        raise ProfileError(f"{path.relative_to(paths.PROFILES.parent)}: {where}") from None
     if pf.kind != kind:
-        raise ProfileError(f"{path.relative_to(paths.ROOT)}: kind = {pf.kind!r}, expected {kind!r}")
+        raise ProfileError(f"{path.relative_to(paths.PROFILES.parent)}: kind = {pf.kind!r}, expected {kind!r}")
     return pf
 
 

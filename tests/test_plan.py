@@ -1,0 +1,208 @@
+"""Profiles -> plans: golden plans, precedence, every knob refused with a clear error, cross-knob rules."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rig import paths, profiles
+from rig.knobs import Knobs
+from rig.plan import PlanError, check_with_vllm, resolve
+from rig.server import free_port, port_in_use
+
+GOLDEN = Path(__file__).parent / "golden" / "plans"
+# Every profile x overlay combination the docs show (docs/profiles.md).
+CASES = [
+    ("batch", (), "cpu"), ("single-user", (), "cpu"), ("kvarn", (), "cpu"), ("batch", ("quality",), "cpu"),
+    ("batch", (), "gpu"), ("single-user", (), "gpu"), ("kvarn", (), "gpu"),
+    ("batch", ("tp2",), "gpu"), ("batch", ("tp4",), "gpu"), ("batch", ("quality",), "gpu"),
+    ("batch", ("multinode",), "gpu"), ("single-user", ("tp2",), "gpu"),
+]
+
+
+def case_id(profile: str, overlays: tuple[str, ...], platform: str) -> str:
+    return "__".join([profile, *overlays, platform])
+
+
+@pytest.mark.parametrize("profile, overlays, platform", CASES, ids=[case_id(*c) for c in CASES])
+def test_plan_matches_golden_file(profile, overlays, platform):
+    plan = resolve(profile, overlays, platform, environ={})
+    golden = GOLDEN / f"{case_id(profile, overlays, platform)}.json"
+    if os.environ.get("RIG_UPDATE_GOLDEN") == "1":
+        golden.write_text(plan.to_json())
+    assert golden.exists(), f"missing {golden}; generate with RIG_UPDATE_GOLDEN=1"
+    assert plan.to_json() == golden.read_text()
+
+
+def test_golden_plans_cover_exactly_the_cases():
+    assert sorted(p.stem for p in GOLDEN.glob("*.json")) == sorted(case_id(*c) for c in CASES)
+
+
+def test_same_inputs_give_byte_identical_plans_in_a_fresh_process():
+    code = ("from rig.plan import resolve; import sys; "
+            "sys.stdout.write(resolve('single-user', ('tp2',), 'gpu', environ={}).to_json())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd="/", env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
+    assert out == resolve("single-user", ("tp2",), "gpu", environ={}).to_json()
+
+
+@pytest.mark.parametrize("profile, overlays, platform", [c for c in CASES if c[0] != "kvarn" or c[2] == "cpu"],
+                         ids=[case_id(*c) for c in CASES if c[0] != "kvarn" or c[2] == "cpu"])
+def test_vllm_own_parser_accepts_the_plan(profile, overlays, platform):
+    check_with_vllm(resolve(profile, overlays, platform, environ={}).argv)
+
+
+def test_vllm_parser_refuses_kvarn_until_its_patch_registers_the_dtype():
+    plan = resolve("kvarn", (), "gpu", environ={})
+    with pytest.raises(PlanError, match="kvarn"):
+        check_with_vllm(plan.argv)
+
+
+def test_vllm_parser_refuses_an_unknown_serve_option(tmp_path, monkeypatch):
+    shutil.copytree(paths.PROFILES, tmp_path / "profiles")
+    bad = tmp_path / "profiles" / "base.toml"
+    bad.write_text(bad.read_text().replace("[serve]\n", "[serve]\nmax_num_batched_tokenz = 4096\n"))
+    monkeypatch.setattr(paths, "PROFILES", tmp_path / "profiles")
+    with pytest.raises(PlanError, match="max-num-batched-tokenz"):
+        check_with_vllm(resolve("batch", (), "cpu", environ={}).argv)
+
+
+def test_precedence_profile_overlay_env_set():
+    plan = resolve("single-user", ("quality",), "gpu", environ={"MAX_SEQS": "7", "KV": "auto"},
+                   sets={"KV": "bfloat16"})
+    assert plan.knobs["PREFIX_CACHE"] == 0 and plan.sources["PREFIX_CACHE"] == "overlay:quality"
+    assert plan.knobs["MAX_SEQS"] == 7 and plan.sources["MAX_SEQS"] == "env"
+    assert plan.knobs["KV"] == "bfloat16" and plan.sources["KV"] == "--set"
+    assert plan.knobs["GPU_UTIL"] == 0.93
+    cpu = resolve("batch", ("quality",), "cpu", environ={})
+    assert cpu.knobs["GPU_UTIL"] == 0.3 and cpu.sources["GPU_UTIL"] == "overlay:cpu"
+
+
+def test_prefix_cache_zero_really_turns_it_off():
+    off = resolve("batch", (), "gpu", environ={}).argv
+    on = resolve("batch", (), "gpu", environ={}, sets={"PREFIX_CACHE": "1"}).argv
+    assert "--no-enable-prefix-caching" in off and "--enable-prefix-caching" not in off
+    assert on[on.index("--enable-prefix-caching"):][:3] == ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
+
+
+def test_int8_act_exported_only_when_set():
+    plan = resolve("batch", (), "gpu", environ={}, sets={"INT8_LAYERS": "gate_up"})
+    assert plan.env == {"VLLM_MARLIN_INPUT_DTYPE": "int8", "VLLM_MARLIN_INT8_INCLUDE_RE": r"\.mlp\.gate_up_proj"}
+    assert "marlin-int8-layer-select" in plan.patches
+    plain = resolve("batch", (), "gpu", environ={}, sets={"INT8_ACT": ""})
+    assert plain.env == {} and "marlin-int8-layer-select" not in plain.patches
+
+
+def test_tools_off_drops_auto_tool_choice():
+    argv = resolve("batch", (), "gpu", environ={}, sets={"TOOLS": "0"}).argv
+    assert "--enable-auto-tool-choice" not in argv and "--tool-call-parser" not in argv
+
+
+def test_spec_on_batch_is_ignored_with_a_warning():
+    plan = resolve("batch", (), "gpu", environ={"SPEC": "mtp"})
+    assert plan.knobs["SPEC"] == "off" and plan.sources["SPEC"] == "rule"
+    assert any("SPEC='mtp' is ignored" in w for w in plan.warnings)
+    assert "--speculative-config" not in plan.argv
+
+
+def test_single_user_speculative_config_is_json():
+    plan = resolve("single-user", (), "gpu", environ={})
+    spec = plan.argv[plan.argv.index("--speculative-config") + 1]
+    assert spec == '{"method":"dflash","model":".rig/models/Qwen3.8-27B-DFlash2","num_speculative_tokens":15}'
+
+
+def test_multinode_overlay_uses_ray_and_pipeline_parallel():
+    argv = resolve("batch", ("multinode",), "gpu", environ={}).argv
+    assert argv[argv.index("--pipeline-parallel-size") + 1] == "2"
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "ray"
+
+
+@pytest.mark.parametrize("sets, needle", [
+    ({"TP": "3"}, "TP=3: must divide the 24 query and 4 KV heads"),
+    ({"INT8_ACT": "fp8"}, "INT8_ACT='fp8': fp8 activations need SM89 or SM12x, the target is sm86"),
+    ({"BLOCK_SIZE": "16"}, "BLOCK_SIZE=16: KV='kvarn' needs its block size"),
+    ({"GPU_ARCH": "cpu"}, "GPU_ARCH='cpu' on the gpu platform"),
+])
+def test_cross_knob_rules(sets, needle):
+    with pytest.raises(PlanError) as e:
+        resolve("kvarn" if "BLOCK_SIZE" in sets else "batch", (), "gpu", environ={}, sets=sets)
+    assert any(needle in m for m in e.value.messages), e.value.messages
+
+
+def test_fp8_activations_allowed_on_sm89():
+    assert resolve("batch", (), "gpu", environ={}, sets={"INT8_ACT": "fp8", "GPU_ARCH": "sm89"}).env[
+        "VLLM_MARLIN_INPUT_DTYPE"] == "fp8"
+
+
+def test_cpu_platform_refuses_cuda_only_knobs():
+    with pytest.raises(PlanError) as e:
+        resolve("batch", (), "cpu", environ={}, sets={"INT8_ACT": "int8", "KV": "kvarn", "BLOCK_SIZE": "64",
+                                                         "PREFILL_ATTN": "int8"})
+    text = str(e.value)
+    assert "Marlin int8 activations are CUDA-only" in text and "KVarN cache is a CUDA kernel" in text
+    assert "PREFILL_ATTN='int8'" in text
+
+
+def test_extends_cycle_and_unknown_keys_are_errors(tmp_path, monkeypatch):
+    shutil.copytree(paths.PROFILES, tmp_path / "profiles")
+    monkeypatch.setattr(paths, "PROFILES", tmp_path / "profiles")
+    (tmp_path / "profiles" / "a.toml").write_text('schema_version = 1\nkind = "profile"\ndescription = "a"\n'
+                                                  'extends = "b"\n')
+    (tmp_path / "profiles" / "b.toml").write_text('schema_version = 1\nkind = "profile"\ndescription = "b"\n'
+                                                  'extends = "a"\n')
+    (tmp_path / "profiles" / "typo.toml").write_text('schema_version = 1\nkind = "profile"\ndescription = "t"\n'
+                                                     'extend = "base"\n')
+    with pytest.raises(profiles.ProfileError, match="extends cycle a -> b -> a"):
+        profiles.chain("a")
+    with pytest.raises(PlanError, match=r"profiles/typo.toml: extend: Extra inputs are not permitted"):
+        resolve("typo", (), "cpu", environ={})
+    with pytest.raises(PlanError, match="unknown profile 'nope': available profiles are"):
+        resolve("nope", (), "cpu", environ={})
+    with pytest.raises(PlanError, match="unknown overlay 'tp3'"):
+        resolve("batch", ("tp3",), "cpu", environ={})
+
+
+BAD = {
+    "PREFIX_CACHE": "2", "KV": "int4x", "INT8_ACT": "int4", "INT8_LAYERS": "([", "MAX_SEQS": "0",
+    "MAX_LEN": "10", "TOOLS": "yes", "TOOL_PARSER": "json", "PORT": "70000", "HOST": "", "GPU_UTIL": "1.0",
+    "SPEC": "eagle", "SPEC_K": "0", "DRAFT_MODEL": "", "PREFILL_ATTN": "fp4", "MODEL": "", "SERVED_NAME": "",
+    "API_KEY_FILE": "", "TP": "3", "PP": "0", "EXECUTOR": "slurm", "MAMBA_SSM_DTYPE": "int8",
+    "BLOCK_SIZE": "-1", "GPU_ARCH": "sm75", "ENFORCE_EAGER": "2",
+}
+
+
+def test_every_knob_has_a_bad_value_case():
+    assert set(BAD) == set(Knobs.model_fields)
+
+
+@pytest.mark.parametrize("knob", sorted(BAD))
+def test_bad_knob_value_names_knob_value_and_allowed(knob):
+    with pytest.raises(PlanError) as e:
+        resolve("batch", (), "cpu", environ={}, sets={knob: BAD[knob]})
+    msg = e.value.messages[0]
+    assert msg.startswith(f"{knob}=") and "allowed:" in msg and "(set by --set)" in msg
+
+
+@pytest.mark.parametrize("how", ["--set", "env"])
+def test_serve_refuses_bad_input_with_exit_2_and_starts_nothing(how):
+    port = free_port()
+    cmd = [str(Path(sys.executable).with_name("inv")), "serve", "--profile", "batch", "--set", f"PORT={port}"]
+    env = {**os.environ}
+    if how == "--set":
+        cmd += ["--set", "GPU_UTIL=1.5"]
+    else:
+        env["GPU_UTIL"] = "1.5"
+    before = {p.pid for p in psutil.process_iter()}
+    r = subprocess.run(cmd, cwd=paths.ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "rig: error: GPU_UTIL=" in r.stderr and "allowed: float > 0 and < 1" in r.stderr
+    assert not port_in_use(port)
+    spawned = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
+               and any("vllm" in part for part in (p.info["cmdline"] or []))]
+    assert spawned == []
