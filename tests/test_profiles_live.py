@@ -1,0 +1,120 @@
+"""Each profile, resolved with the cpu overlay onto the tiny hybrid model, starts, answers and stops.
+
+Also: TOOLS=1/0 and the tool_choice contract, PREFIX_CACHE=0 vs 1 on /metrics, speculative
+decoding (MTP) on vLLM's CPU backend, and `inv serve` stopping its whole tree on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from rig import paths
+from rig.server import free_port
+from tests.conftest import _alive, cpu_plan, start_server
+
+pytestmark = pytest.mark.slow
+
+PROMPT = " ".join(["The quiet river of Oslo is old, and Ana visited it last spring."] * 12)
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def metric(url: str, headers: dict, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + "{") or ln == name)
+
+
+def chat(url: str, headers: dict, model: str, **extra) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello, who are you?"}], "max_tokens": 8,
+            "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}, **extra}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=300)
+
+
+def repeat_prompt_hits(url: str, headers: dict, model: str) -> float:
+    """Send the same ~700-token prompt twice; return the prefix-cache hit tokens it caused."""
+    before = metric(url, headers, "vllm:prefix_cache_hits_total")
+    for _ in range(2):
+        r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 2,
+                                                     "temperature": 0}, headers=headers, timeout=300)
+        assert r.status_code == 200, r.text
+    return metric(url, headers, "vllm:prefix_cache_hits_total") - before
+
+
+def test_batch_profile_tools_on_and_no_prefix_cache(batch_server):
+    s = batch_server
+    assert chat(s.url, s.headers(), s.served_name).status_code == 200
+    r = chat(s.url, s.headers(), s.served_name, tools=TOOLS, tool_choice="auto")
+    assert r.status_code == 200, r.text
+    assert repeat_prompt_hits(s.url, s.headers(), s.served_name) == 0
+
+
+def test_single_user_profile_runs_mtp_speculation_on_cpu(session_tmp):
+    plan = cpu_plan("single-user", session_tmp)
+    assert plan.knobs["SPEC"] == "mtp" and plan.knobs["PREFIX_CACHE"] == 0
+    server = start_server(plan, session_tmp)
+    try:
+        h = server.headers()
+        assert chat(server.url, h, server.served_name).status_code == 200
+        assert metric(server.url, h, "vllm:spec_decode_num_drafts_total") > 0
+    finally:
+        server.stop()
+
+
+def test_kvarn_profile_on_cpu_keeps_its_context_length(session_tmp):
+    plan = cpu_plan("kvarn", session_tmp)
+    assert plan.knobs["KV"] == "auto" and plan.sources["KV"] == "overlay:cpu[kvarn]"
+    server = start_server(plan, session_tmp)
+    pids = server.pids()
+    try:
+        assert chat(server.url, server.headers(), server.served_name).status_code == 200
+    finally:
+        server.stop()
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_inv_serve_tools_off_prefix_cache_on_then_sigterm_leaves_no_process(tmp_path, batch_server):
+    port = free_port()
+    key = tmp_path / "key"
+    cmd = [str(Path(sys.executable).with_name("inv")), "serve", "--profile", "batch", "--set", f"PORT={port}",
+           "--set", f"API_KEY_FILE={key}", "--set", "TOOLS=0", "--set", "PREFIX_CACHE=1"]
+    proc = subprocess.Popen(cmd, cwd=paths.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "inv serve exited before it was ready:\n" + "".join(lines[-30:])
+            lines.append(line)
+            if line.startswith("rig: ready"):
+                break
+        assert lines[0].startswith("rig: no CUDA GPU here: serving on vLLM's CPU backend")
+        assert re.search(rf"rig: ready — http://127.0.0.1:{port}/v1  model: rig-tiny-hybrid  API key: {key}",
+                         "".join(lines))
+        assert oct(key.stat().st_mode & 0o777) == "0o600"
+        url, h = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key.read_text().strip()}"}
+        r = chat(url, h, "rig-tiny-hybrid", tools=TOOLS, tool_choice="auto")
+        assert r.status_code == 400, r.text
+        hits_on = repeat_prompt_hits(url, h, "rig-tiny-hybrid")
+        hits_off = repeat_prompt_hits(batch_server.url, batch_server.headers(), batch_server.served_name)
+        assert hits_on > 0 == hits_off
+        tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        assert len(tree) >= 3  # inv, the API server, the engine core (and its worker)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+        time.sleep(1)
+        assert not [p for p in tree if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
