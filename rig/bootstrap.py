@@ -126,12 +126,14 @@ def _index_url() -> str:
 
 
 def _pip_failure(log: str) -> str:
-    if not reachable(_index_url()) or re.search(r"NewConnectionError|Name or service not known|Temporary failure in name resolution|"
-                 r"Network is unreachable|Connection refused|ConnectTimeout|ReadTimeout", log):
+    offline = re.search(r"NewConnectionError|Name or service not known|Temporary failure in name resolution|"
+                        r"Network is unreachable|Connection refused|ConnectTimeout|ReadTimeout", log)
+    if offline or not reachable(_index_url()):
         return ("no network: the first install downloads ~3.5 GB of wheels from PyPI; connect this host "
                 "(or point PIP_INDEX_URL / PIP_FIND_LINKS at a mirror) and run again")
     if "THESE PACKAGES DO NOT MATCH THE HASHES" in log:
-        return "a downloaded wheel does not match its hash in the lock: regenerate with `inv env.lock` or check your mirror"
+        return ("a downloaded wheel does not match its hash in the lock: regenerate with `inv env.lock` "
+                "or check your mirror")
     m = re.search(r"No matching distribution found for (\S+\+cpu)", log)
     if m:
         return (f"no wheel for {m.group(1)} on the reachable indexes (torch +cpu builds come from {TORCH_INDEX}; "

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rig import profiles
-from rig.knobs import INT8_LAYER_ALIASES, KVARN_BLOCK_SIZES, Knobs, KnobError, coerce, validate
+from rig.knobs import INT8_LAYER_ALIASES, KVARN_BLOCK_SIZES, KnobError, Knobs, coerce, validate
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 FP8_ACT_ARCHS = ("sm89", "sm120")

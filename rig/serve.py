@@ -57,7 +57,8 @@ def probe_device(plan: Plan) -> Device:
         finally:
             pynvml.nvmlShutdown()
     except Exception as e:
-        raise PreflightError(f"no CUDA GPU answers NVML ({e}); on a CPU host use the cpu overlay (the default there)")
+        raise PreflightError(f"no CUDA GPU answers NVML ({e}); on a CPU host use the cpu overlay "
+                             "(the default there)") from None
     dev = Device("gpu", str(name), f"sm{major}{minor}", mem.free / 2**30)
     if dev.arch != plan.knobs["GPU_ARCH"]:
         print(f"rig: warning: the plan targets {plan.knobs['GPU_ARCH']}, this GPU is {dev.arch} ({dev.name}); "

@@ -30,3 +30,12 @@ def verify(c, profile="batch", overlay=None, set=None, no_live=False):
 
     if not v.run(_plan(profile, overlay, set, ""), live=not no_live):
         raise Exit(code=1)
+
+
+@task
+def docs(c):
+    """Regenerate the generated blocks of docs/ (knob reference, profile tables, dry run)."""
+    from rig.docgen import write_all
+
+    changed = write_all()
+    print(f"updated: {', '.join(changed)}" if changed else "docs are current")

@@ -66,4 +66,5 @@ def service(c, profile="batch", overlay=None, set=None, platform="", out=".rig/s
     for path in write(plan, folder):
         print(f"wrote {path}")
     print("systemd: cp the .service file to ~/.config/systemd/user/ && systemctl --user daemon-reload && "
-          f"systemctl --user enable --now rig-{profile}\ndocker: docker compose -f {folder}/compose.{profile}.yaml up -d")
+          f"systemctl --user enable --now rig-{profile}")
+    print(f"docker: docker compose -f {folder}/compose.{profile}.yaml up -d")
