@@ -1,0 +1,111 @@
+"""Does our client measure what `vllm bench serve` measures? Same workload, same server, back to back.
+
+Starts a server of a profile (default: batch; the tiny hybrid model on a CPU host), then for each
+round runs the pinned `vllm bench serve` CLI on a random-dataset workload and, right after, our
+client (rig/bench/client.py) on the same workload shape — prompts sampled by vLLM's own
+RandomDataset with the next seed, the request body `vllm bench serve` sends. Prints output tok/s,
+mean TTFT and mean TPOT of both per round and the median over rounds; exit 1 when a median
+differs by more than --tolerance (3 %). Round 0 is a warm-up and is not counted.
+
+    .venv/bin/python bench/scripts/agreement.py [--rounds 3] [--num-prompts 32] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from rig import paths  # noqa: E402
+from rig.bench import client  # noqa: E402
+from rig.bench.servers import ServerPool  # noqa: E402
+
+FIGURES = ("output_tok_per_s", "mean_ttft_ms", "mean_tpot_ms")
+
+
+def vllm_bench(t, a: argparse.Namespace, seed: int, out: Path) -> dict[str, float]:
+    """One `vllm bench serve` call (the venv's CLI); its JSON figures."""
+    vllm = Path(sys.executable).with_name("vllm")
+    cmd = [str(vllm), "bench", "serve", "--backend", "vllm", "--base-url", t.url, "--model", t.served_name,
+           "--tokenizer", t.tokenizer, "--dataset-name", "random", "--random-input-len", str(a.input_len),
+           "--random-output-len", str(a.output_len), "--num-prompts", str(a.num_prompts),
+           "--max-concurrency", str(a.concurrency), "--seed", str(seed), "--ignore-eos", "--save-result",
+           "--result-dir", str(out), "--result-filename", f"vllm-{seed}.json", "--disable-tqdm"]
+    env = {**os.environ, **paths.cache_env(), "OPENAI_API_KEY": t.headers["Authorization"].split(" ", 1)[1]}
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    d = json.loads((out / f"vllm-{seed}.json").read_text())
+    return {"output_tok_per_s": d["output_throughput"], "mean_ttft_ms": d["mean_ttft_ms"],
+            "mean_tpot_ms": d["mean_tpot_ms"]}
+
+
+def ours(t, a: argparse.Namespace, seed: int, tok) -> dict[str, float]:
+    """Our client on the same workload: vLLM's RandomDataset prompts, the body vllm bench sends."""
+    from vllm.benchmarks.datasets import RandomDataset
+
+    reqs = RandomDataset(random_seed=seed).sample(tokenizer=tok, num_requests=a.num_prompts,
+                                                   input_len=a.input_len, output_len=a.output_len)
+    bodies = [{"model": t.served_name, "prompt": r.prompt, "repetition_penalty": 1.0, "max_tokens": a.output_len,
+               "ignore_eos": True} for r in reqs]
+    b = asyncio.run(client.run_batch(t.url, "/v1/completions", bodies, a.concurrency, t.headers))
+    if b.failed:
+        raise SystemExit(f"our client: {len(b.failed)} requests failed: {b.failed[0].error}")
+    rs = b.requests
+    return {"output_tok_per_s": sum(r.output_tokens for r in rs) / b.wall_s,
+            "mean_ttft_ms": statistics.fmean(r.ttft_ms for r in rs),
+            "mean_tpot_ms": statistics.fmean(r.tpot_ms for r in rs if r.tpot_ms is not None)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="batch")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3, help="counted rounds (after one warm-up round)")
+    ap.add_argument("--tolerance", type=float, default=0.03)
+    ap.add_argument("--seed", type=int, default=7000)
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    os.environ.update(paths.cache_env())
+    with ServerPool(a.profile) as pool, pool.acquire({}) as t, tempfile.TemporaryDirectory() as tmp:
+        tok = AutoTokenizer.from_pretrained(t.tokenizer)
+        print(f"server: {t.served_name} ({t.plan.platform}), workload: random {a.input_len}/{a.output_len}, "
+              f"{a.num_prompts} prompts, concurrency {a.concurrency}, --ignore-eos")
+        rows: dict[str, list[dict[str, float]]] = {"vllm": [], "ours": []}
+        seed = a.seed
+        for k in range(a.rounds + 1):
+            v = vllm_bench(t, a, seed, Path(tmp))
+            o = ours(t, a, seed + 1, tok)
+            seed += 2
+            tag = "warm-up" if k == 0 else f"round {k}"
+            for name, f in (("vllm bench serve", v), ("rig client", o)):
+                print(f"{tag:>8}  {name:<16} " + "  ".join(f"{x} {f[x]:9.2f}" for x in FIGURES))
+            if k:
+                rows["vllm"].append(v)
+                rows["ours"].append(o)
+        worst = 0.0
+        print("\nmedian over rounds    vllm bench serve   rig client   difference")
+        for x in FIGURES:
+            mv = statistics.median(r[x] for r in rows["vllm"])
+            mo = statistics.median(r[x] for r in rows["ours"])
+            diff = (mo - mv) / mv
+            worst = max(worst, abs(diff))
+            print(f"{x:<20} {mv:>17.2f} {mo:>12.2f} {diff * 100:>+11.2f}%")
+    ok = worst <= a.tolerance
+    verdict = "AGREE" if ok else "DISAGREE"
+    print(f"\n{verdict}: largest difference {worst * 100:.2f}% (tolerance {a.tolerance * 100:.0f}%)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""`inv bench.compare A B`: the differences between two runs of one protocol, when they are comparable.
+
+Two runs compare when their fingerprints (``rig.fingerprint.comparable_keys``: rig commit,
+packages, locks, GPUs, patch files, knobs) and their scale agree in everything but the one knob
+under test. PORT and API_KEY_FILE are left out: they say where a server listens, not what it
+computes. Anything else differing is refused with the list of differences, unless ``force``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rig.bench.results import RunResult
+from rig.fingerprint import comparable_keys
+
+INERT_KNOBS = ("PORT", "API_KEY_FILE")
+
+
+class CompareError(ValueError):
+    """The runs are not comparable; the message lists why and how to override."""
+
+
+def differences(a: RunResult, b: RunResult) -> tuple[dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any]]]:
+    """(knob differences, other differences) between two runs' fingerprints and scales."""
+    ka, kb = comparable_keys(a.fingerprint), comparable_keys(b.fingerprint)
+    knobs_a, knobs_b = ka.pop("knobs") or {}, kb.pop("knobs") or {}
+    knobs = {k: (knobs_a.get(k), knobs_b.get(k)) for k in sorted(set(knobs_a) | set(knobs_b))
+             if k not in INERT_KNOBS and knobs_a.get(k) != knobs_b.get(k)}
+    other = {k: (ka.get(k), kb.get(k)) for k in sorted(set(ka) | set(kb)) if ka.get(k) != kb.get(k)}
+    if a.scale != b.scale:
+        other["scale"] = (a.scale.get("factor"), b.scale.get("factor"))
+    return knobs, other
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def check(a: RunResult, b: RunResult, force: bool = False) -> list[str]:
+    """Header lines naming the knob under test; CompareError when the runs may not be compared."""
+    if a.protocol_kind != b.protocol_kind:
+        raise CompareError(f"different protocols: {a.protocol} ({a.protocol_kind}) vs {b.protocol} "
+                           f"({b.protocol_kind}); compare runs of the same protocol")
+    knobs, other = differences(a, b)
+    problems = [f"{k}: {_short(x)} vs {_short(y)}" for k, (x, y) in other.items()]
+    if len(knobs) > 1:
+        listed = ", ".join(f"{k}={x!r} vs {y!r}" for k, (x, y) in knobs.items())
+        problems.append(f"more than one knob differs: {listed}")
+    head = [f"knob under test: {k} = {x!r} (A) vs {y!r} (B)" for k, (x, y) in knobs.items()] or \
+        ["same knobs (a repeat of one configuration)"]
+    if problems and not force:
+        raise CompareError("runs are not comparable — their fingerprints differ in more than the knob under test:\n  "
+                           + "\n  ".join(problems) + "\nre-run one of them, or pass --force to compare anyway")
+    if problems:
+        head += [f"FORCED despite: {p}" for p in problems]
+    if not (a.valid and b.valid):
+        head.append(f"WARNING: invalid run(s): A valid={a.valid}, B valid={b.valid}")
+    return head
+
+
+def render(a: RunResult, b: RunResult, force: bool = False) -> str:
+    """The comparison as text: every figure both runs measured, A, B and the change."""
+    lines = check(a, b, force)
+    lines += ["", f"{'cell':<44} {'figure':<26} {'A':>12} {'B':>12} {'change':>9}"]
+    cells_b = {(c.label, c.variant): c for c in b.cells}
+    for ca in a.cells:
+        cb = cells_b.get((ca.label, ca.variant))
+        if cb is None:
+            lines.append(f"{ca.label[:44]:<44} (only in A)")
+            continue
+        for fig in sorted(set(ca.summary) & set(cb.summary)):
+            va, vb = ca.summary[fig].median, cb.summary[fig].median
+            change = f"{(vb - va) / va * 100:+.1f}%" if va else "—"
+            lines.append(f"{ca.label[:44]:<44} {fig:<26} {va:>12.4g} {vb:>12.4g} {change:>9}")
+    for k in sorted(set(a.derived) & set(b.derived)):
+        va, vb = a.derived[k], b.derived[k]
+        if va is not None and vb is not None:
+            lines.append(f"{'(derived)':<44} {k[:26]:<26} {va:>12.4g} {vb:>12.4g} {(vb - va) / va * 100:>+8.1f}%")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,132 @@
+"""`inv bench`: run the bench protocols (bench/*.toml) against servers of a profile; `inv bench.compare`."""
+
+from __future__ import annotations
+
+import sys
+
+from invoke import Collection, Exit, task
+
+# The reference's table order; other protocol files follow, sorted.
+ORDER = ("throughput", "cohort", "prefill", "raw", "shared-prefix", "long")
+
+RUN_HELP = {
+    "protocol": "protocol name (bench/*.toml) or a path to one, repeatable; default: every protocol",
+    "profile": "profile of the server(s) the bench starts: batch, single-user, kvarn",
+    "overlay": "overlay to apply (profiles/overlays/*.toml), repeatable",
+    "set": "KNOB=value for the server, repeatable (a protocol's own needs, e.g. raw's SPEC=off, are added)",
+    "platform": "cpu or gpu; default: gpu when NVML finds a CUDA device, else cpu",
+    "repeat": "kept passes per cell (after one discarded warm-up); the tables show median and spread",
+    "scale": "multiply every token length and request count by this (0 < f <= 1); default 1 on gpu, 1/8 on cpu",
+    "seed": "first seed (each call gets the next one); default: from the clock",
+    "progress": "show rich progress bars (--no-progress for logs)",
+}
+
+
+def _fail(msg: str, code: int = 2) -> Exit:
+    return Exit("\n".join(f"rig: error: {m}" for m in msg.splitlines()), code=code)
+
+
+def _sets(items: list[str] | None) -> dict[str, str]:
+    sets = {}
+    for item in items or []:
+        if "=" not in item:
+            raise _fail(f"--set {item!r}: expected KNOB=value, e.g. --set PREFIX_CACHE=1")
+        k, v = item.split("=", 1)
+        sets[k.strip()] = v.strip()
+    return sets
+
+
+def _protocols(names: list[str] | None) -> list[tuple[str, object]]:
+    from pathlib import Path
+
+    from rig.bench import protocols
+
+    if not names:
+        avail = protocols.available()
+        names = [n for n in ORDER if n in avail] + sorted(n for n in avail if n not in ORDER)
+    out = []
+    for n in names:
+        try:
+            out.append((Path(n).stem if n.endswith(".toml") else n, protocols.load(n)))
+        except protocols.BenchError as e:
+            raise _fail(str(e)) from None
+    return out
+
+
+def _preflight(protos, pool, sets) -> None:
+    """Every plan the run will need, resolved before any server starts (bad input costs nothing)."""
+    from rig.bench.protocols import SharedPrefixProtocol
+    from rig.bench.servers import conflicts
+    from rig.plan import PlanError
+
+    problems = []
+    for name, p in protos:
+        variants = list(p.variants.values()) if isinstance(p, SharedPrefixProtocol) else [{}]
+        for v in variants:
+            need = {**p.requires, **v}
+            problems += conflicts(sets, need, f"protocol {name!r}")
+            try:
+                pool.plan_for(need)
+            except PlanError as e:
+                problems += [f"protocol {name!r}: {m}" for m in e.messages]
+    if problems:
+        raise _fail("\n".join(dict.fromkeys(problems)))
+
+
+@task(default=True, iterable=["protocol", "overlay", "set"], help=RUN_HELP)
+def run(c, protocol=None, profile="batch", overlay=None, set=None, platform="", repeat=1, scale=0.0, seed=-1,
+        progress=True):
+    """Run bench protocols on fresh servers of a profile; results under .rig/results/ (exit 1 if invalid)."""
+    from rig.bench.protocols import CPU_SCALE, Scale
+    from rig.bench.runner import Run
+    from rig.bench.servers import ServerPool
+    from rig.plan import PlanError
+
+    sets = _sets(set)
+    if int(repeat) < 1:
+        raise _fail(f"--repeat {repeat}: expected an integer >= 1 (kept passes per cell)")
+    if not 0 <= float(scale) <= 1:
+        raise _fail(f"--scale {scale}: expected a factor in (0, 1], e.g. 0.125; 0 means the platform default")
+    protos = _protocols(protocol)
+    pool = ServerPool(profile, overlay or [], platform or None, sets)
+    try:
+        base = pool.plan_for({})
+    except PlanError as e:
+        raise _fail("\n".join(e.messages)) from None
+    _preflight(protos, pool, sets)
+    factor = float(scale) or (CPU_SCALE if base.platform == "cpu" else 1.0)
+    invalid = []
+    with pool:
+        for i, (name, p) in enumerate(protos):
+            print(f"rig: bench {name} on profile {profile} ({base.platform}, scale {factor:g})", flush=True)
+            r = Run(name, p, pool.acquire, profile, Scale(factor=factor), int(repeat),
+                    None if int(seed) < 0 else int(seed) + 1_000_000 * i, progress=progress)
+            res = r.execute()
+            print((r.dir.root / "tables.md").read_text() if (r.dir.root / "tables.md").exists() else "", flush=True)
+            print(f"rig: {name}: {'valid' if res.valid else 'INVALID'} -> {r.dir.root}", flush=True)
+            if not res.valid:
+                invalid.append(name)
+                for why in res.problems:
+                    print(f"rig: {name}: {why}", file=sys.stderr)
+    if invalid:
+        raise Exit(f"rig: error: invalid run(s): {', '.join(invalid)} (everything measured is in the run folders)",
+                   code=1)
+
+
+@task(help={"a": "run folder (or its result.json): the baseline", "b": "run folder to compare with A",
+            "force": "compare even when the fingerprints differ in more than one knob"})
+def compare(c, a, b, force=False):
+    """Print the differences between two runs of a protocol; refuses incomparable runs unless --force."""
+    from pathlib import Path
+
+    from rig.bench import results
+    from rig.bench.compare import CompareError, render
+
+    try:
+        ra, rb = results.load(Path(a)), results.load(Path(b))
+        sys.stdout.write(render(ra, rb, force))
+    except (FileNotFoundError, CompareError) as e:
+        raise _fail(str(e)) from None
+
+
+ns = Collection("bench", run, compare)
