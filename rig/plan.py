@@ -126,9 +126,10 @@ def rules(k: Knobs, pf: profiles.ProfileFile, platform: str) -> tuple[list[str],
             errors.append("KV='kvarn': the KVarN cache is a CUDA kernel; allowed on cpu: auto, fp8, bfloat16")
         if k.PREFILL_ATTN != "auto":
             errors.append(f"PREFILL_ATTN={k.PREFILL_ATTN!r}: a CUDA kernel; allowed on cpu: 'auto'")
-        if k.SPEC != "off" and k.PREFIX_CACHE and fix.get("SPEC") != "off":
-            errors.append(f"SPEC={k.SPEC!r} with PREFIX_CACHE=1: vLLM 0.28's CPU backend cannot combine them (the "
-                          "hybrid align-mode state copy is a Triton kernel); set PREFIX_CACHE=0 or SPEC='off'")
+        if k.SPEC != "off" and fix.get("SPEC") != "off":
+            errors.append(f"SPEC={k.SPEC!r}: vLLM 0.28's CPU backend cannot decode speculatively on this hybrid "
+                          "model (its GDN decode kernel fails on the first request; docs/profiles.md); "
+                          "allowed on cpu: 'off'")
     elif k.GPU_ARCH == "cpu":
         errors.append("GPU_ARCH='cpu' on the gpu platform; allowed: sm86, sm89, sm90, sm100, sm120")
     if k.HOST not in LOOPBACK:

@@ -149,10 +149,10 @@ def test_cpu_platform_refuses_cuda_only_knobs():
     assert "PREFILL_ATTN='int8'" in text
 
 
-def test_cpu_refuses_speculation_with_prefix_cache():
-    with pytest.raises(PlanError, match="cannot combine them"):
-        resolve("single-user", (), "cpu", environ={}, sets={"PREFIX_CACHE": "1"})
-    assert resolve("batch", (), "cpu", environ={"SPEC": "mtp"}, sets={"PREFIX_CACHE": "1"}).knobs["SPEC"] == "off"
+def test_cpu_refuses_speculative_decoding():
+    with pytest.raises(PlanError, match="cannot decode speculatively on this hybrid model"):
+        resolve("single-user", (), "cpu", environ={}, sets={"SPEC": "mtp"})
+    assert resolve("batch", (), "cpu", environ={"SPEC": "mtp"}).knobs["SPEC"] == "off"  # batch: ignored
 
 
 def test_extends_cycle_and_unknown_keys_are_errors(tmp_path, monkeypatch):

@@ -39,3 +39,11 @@ def docs(c):
 
     changed = write_all()
     print(f"updated: {', '.join(changed)}" if changed else "docs are current")
+
+
+@task(help={"which": "comma-separated: install, serve, suite (default: all three)"})
+def figures(c, which="install,serve,suite"):
+    """Measure the development figures of docs/development.md (install, time-to-ready, suite, memory)."""
+    from rig.devfigures import main
+
+    main(which)
