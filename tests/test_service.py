@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import configparser
+import os
 import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import yaml
 
@@ -34,3 +38,12 @@ def test_unit_and_compose_come_from_the_plan(tmp_path):
     assert "HOST=0.0.0.0" in svc["command"] and svc["command"][:2] == ["python3", "bootstrap.py"]
     assert svc["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 2
     assert svc["volumes"] == [f"{paths.ROOT}:/rig"]
+
+
+def test_verify_without_a_live_server_checks_install_pins_patches_model():
+    r = subprocess.run([str(Path(sys.executable).with_name("inv")), "verify", "--no-live"], cwd=paths.ROOT,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    for row in ("install", "pins", "patches", "model"):
+        assert row in r.stdout
+    assert "FAIL" not in r.stdout and "patches applied" in r.stdout
