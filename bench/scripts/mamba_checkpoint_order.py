@@ -1,0 +1,41 @@
+"""Print the mamba-align-checkpoint-order figures: knob off vs on, on a real CPU `vllm serve`.
+
+    .venv/bin/python bench/scripts/mamba_checkpoint_order.py [--turns N] [--num-blocks N]
+
+Starts two servers one after the other (tiny hybrid model, --enforce-eager, small KV pool), runs
+the conversation of rig.mamba_checkpoint_bench on each and prints the table that
+docs/patches.md quotes. Needs the patch series applied (`inv patch.apply`); ~2-3 minutes on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from rig import mamba_checkpoint_bench as mb  # noqa: E402
+from rig import patches  # noqa: E402
+from rig.models.tiny import default_hybrid  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--turns", type=int, default=mb.Scenario.turns)
+    ap.add_argument("--num-blocks", type=int, default=mb.Scenario.num_blocks)
+    ap.add_argument("--turn-output", type=int, default=mb.Scenario.turn_output)
+    args = ap.parse_args(argv)
+    st = patches.state()
+    if not st.all_applied:
+        print("the patch series is not applied to this vLLM: run `inv patch.apply` first", file=sys.stderr)
+        return 2
+    sc = replace(mb.Scenario(), turns=args.turns, num_blocks=args.num_blocks, turn_output=args.turn_output)
+    off, on = mb.compare(default_hybrid(), sc)
+    print(mb.report(sc, off, on))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

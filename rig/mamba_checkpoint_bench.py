@@ -1,0 +1,209 @@
+"""The mamba-align-checkpoint-order scenario on a real CPU `vllm serve`: knob off vs on.
+
+A multi-turn chat runs against the tiny hybrid model with a small KV pool
+(``--num-gpu-blocks-override``) and chunked prefill (``--max-num-batched-tokens``, so a prompt's
+chunks end on block boundaries and leave state checkpoints inside it, as long prompts do on the
+real server). While each turn decodes, unrelated requests (random token prompts, no shared
+prefix) run beside it and cycle the pool. The next turn's prompt is the previous prompt, then
+the assistant turn as the chat template re-renders it (not the sampled tokens: Qwen3.5's
+template drops the reasoning), then the new user message, all as token ids. So what the next
+turn can resume from is a checkpoint inside the previous prompt. Without the patch that
+checkpoint is freed while the turn still decodes, is older than the unrelated traffic and gets
+evicted; the next turn finds its attention blocks but no state, and re-prefills from 0. With
+``VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS=1`` it is kept until the turn ends and freed last.
+
+The same function serves ``bench/scripts/mamba_checkpoint_order.py`` (prints the figures) and
+``tests/test_patch_mamba.py`` (asserts on them). Greedy decoding with ``ignore_eos`` makes the
+outputs of both runs comparable token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from rig import paths
+from rig.server import VllmServer, free_port
+
+KNOB = "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Everything that shapes the workload (the defaults are what the docs' figures used)."""
+
+    turns: int = 4
+    first_prompt: int = 300  # tokens of the conversation's first prompt
+    user_tokens: int = 64  # new tokens each later turn appends after the history
+    turn_output: int = 192  # tokens each turn decodes (ignore_eos)
+    reply_tokens: int = 96  # the assistant turn as re-rendered into the next prompt
+    unrelated_prompt: int = 320  # tokens per unrelated request
+    unrelated_output: int = 4
+    num_blocks: int = 48  # --num-gpu-blocks-override
+    chunk: int = 128  # --max-num-batched-tokens
+    seed: int = 0
+
+
+@dataclass
+class Side:
+    """What one server (knob off or on) measured."""
+
+    knob: bool
+    hits: float = 0.0  # Δ vllm:prefix_cache_hits_total over the conversation turns (tokens)
+    queries: float = 0.0  # Δ vllm:prefix_cache_queries_total over the conversation turns
+    turn_ttft_ms: list[float] = field(default_factory=list)  # turns 2.. (turn 1 has nothing to hit)
+    turn_cached: list[int] = field(default_factory=list)  # hits per turn 2.. (tokens)
+    turn_prompt: list[int] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)  # conversation turns' output ids
+    unrelated_sent: int = 0
+    preemptions: float = 0.0
+
+
+def serve_argv(model: Path, port: int, num_blocks: int, chunk: int) -> list[str]:
+    """The CPU serve line for the tiny hybrid model with prefix caching and a small pool."""
+    return [
+        str(paths.ROOT / ".venv" / "bin" / "vllm"), "serve", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+        "--max-model-len", "2048", "--max-num-seqs", "8", "--max-num-batched-tokens", str(chunk),
+        "--gpu-memory-utilization", "0.1", "--mamba-ssm-cache-dtype", "float32", "--block-size", "32",
+        "--enable-prefix-caching", "--enforce-eager", "--num-gpu-blocks-override", str(num_blocks),
+    ]
+
+
+def metrics(client: httpx.Client, url: str, headers: dict[str, str]) -> dict[str, float]:
+    """The unlabelled sums of every ``vllm:*`` counter/gauge on /metrics."""
+    text = client.get(f"{url}/metrics", headers=headers).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:[a-z_:]+?)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def _stream(client: httpx.Client, server: VllmServer, prompt: list[int], max_tokens: int,
+            on_first: Callable[[], None] | None = None) -> tuple[float, list[int]]:
+    """(TTFT in ms, output token ids) of one greedy streamed completion; ``on_first`` runs at TTFT."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    t0 = time.perf_counter()
+    ttft = None
+    out: list[int] = []
+    with client.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers(),
+                       timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            ids = (chunk.get("choices") or [{}])[0].get("token_ids") or []
+            if ids and ttft is None:
+                ttft = (time.perf_counter() - t0) * 1000
+                if on_first:
+                    on_first()
+            out.extend(ids)
+    if len(out) != max_tokens:
+        raise RuntimeError(f"asked for {max_tokens} tokens, got {len(out)}")
+    return ttft or 0.0, out
+
+
+def _unrelated(server: VllmServer, sc: Scenario, rng: random.Random, stop: threading.Event, sent: list[int]) -> None:
+    """Unrelated requests one after another until ``stop``: random prompts share no prefix."""
+    with httpx.Client(timeout=600) as client:
+        while not stop.is_set():
+            prompt = [rng.randrange(16, 2000) for _ in range(sc.unrelated_prompt)]
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": sc.unrelated_output, "temperature": 0,
+                    "ignore_eos": True}
+            client.post(f"{server.url}/v1/completions", json=body, headers=server.headers()).raise_for_status()
+            sent[0] += 1
+
+
+def run_conversation(server: VllmServer, sc: Scenario, knob: bool) -> Side:
+    """The conversation; each turn's prefill runs alone (its TTFT and hits are measured then),
+    unrelated traffic starts at its first token and stops when it ends."""
+    rng = random.Random(sc.seed)
+    side = Side(knob)
+    history = [rng.randrange(16, 2000) for _ in range(sc.first_prompt)]
+    with httpx.Client(timeout=600) as client:
+        _stream(client, server, [rng.randrange(16, 2000) for _ in range(64)], 4)  # warm-up, not counted
+        m0 = metrics(client, server.url, server.headers())
+        for turn in range(sc.turns):
+            before = metrics(client, server.url, server.headers())
+            stop, sent, at_first = threading.Event(), [0], {}
+            noise = threading.Thread(target=_unrelated,
+                                     args=(server, sc, random.Random(sc.seed * 1000 + turn), stop, sent))
+
+            def first(before=before, noise=noise, at_first=at_first) -> None:
+                at_first.update(metrics(client, server.url, server.headers()))
+                noise.start()
+
+            try:
+                ttft, out = _stream(client, server, history, sc.turn_output, on_first=first)
+            finally:
+                stop.set()
+                if noise.ident is not None:
+                    noise.join()
+            side.unrelated_sent += sent[0]
+            side.outputs.append(out)
+            if turn > 0:
+                hits = at_first["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+                side.turn_ttft_ms.append(round(ttft, 1))
+                side.turn_prompt.append(len(history))
+                side.turn_cached.append(int(hits))
+                side.hits += hits
+                side.queries += at_first["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
+            reply = [rng.randrange(16, 2000) for _ in range(sc.reply_tokens)]
+            history = history + reply + [rng.randrange(16, 2000) for _ in range(sc.user_tokens)]
+        m1 = metrics(client, server.url, server.headers())
+        side.preemptions = m1.get("vllm:num_preemptions_total", 0.0) - m0.get("vllm:num_preemptions_total", 0.0)
+    return side
+
+
+def run_side(model: Path, sc: Scenario, knob: bool, log_dir: Path) -> Side:
+    """One fresh server with the knob off or on, and the conversation on it."""
+    port = free_port()
+    env = {**paths.cache_env(), KNOB: "1" if knob else "0"}
+    log = log_dir / f"mamba-checkpoint-{'on' if knob else 'off'}-{port}.log"
+    argv = serve_argv(model, port, sc.num_blocks, sc.chunk)
+    with VllmServer(argv, env, log, port=port, served_name="tiny") as server:
+        return run_conversation(server, sc, knob)
+
+
+def compare(model: Path, sc: Scenario | None = None, log_dir: Path | None = None) -> tuple[Side, Side]:
+    """Both sides, off first: two server starts."""
+    sc = sc or Scenario()
+    log_dir = log_dir or paths.logs_dir()
+    return run_side(model, sc, False, log_dir), run_side(model, sc, True, log_dir)
+
+
+def report(sc: Scenario, off: Side, on: Side) -> str:
+    """The figures as printed by the bench script (and copied into docs/patches.md)."""
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    lines = [
+        f"scenario: {sc.turns} turns, first prompt {sc.first_prompt} tok, each next prompt +{sc.reply_tokens} "
+        f"re-rendered reply +{sc.user_tokens} user tok, {sc.turn_output} tok decoded/turn; unrelated "
+        f"{sc.unrelated_prompt}+{sc.unrelated_output} tok requests during each decode; "
+        f"--num-gpu-blocks-override {sc.num_blocks} --max-num-batched-tokens {sc.chunk} (block 64)",
+        f"{'':34}{'knob off':>12}{'knob on':>12}",
+        f"{'turn prompts (tok)':34}{str(off.turn_prompt):>12}",
+        f"{'hits per turn 2.. (tok)':34}{str(off.turn_cached):>12}{str(on.turn_cached):>12}",
+        f"{'prefix_cache_hits_total, turns 2..':34}{off.hits:>12.0f}{on.hits:>12.0f}",
+        f"{'prefix_cache_queries_total, same':34}{off.queries:>12.0f}{on.queries:>12.0f}",
+        f"{'hit rate':34}{off.hits / max(off.queries, 1):>12.1%}{on.hits / max(on.queries, 1):>12.1%}",
+        f"{'mean TTFT turns 2.. (ms)':34}{mean(off.turn_ttft_ms):>12.1f}{mean(on.turn_ttft_ms):>12.1f}",
+        f"{'TTFT per turn (ms)':34}{str(off.turn_ttft_ms):>12}  {on.turn_ttft_ms}",
+        f"{'unrelated requests sent':34}{off.unrelated_sent:>12}{on.unrelated_sent:>12}",
+        f"{'preemptions':34}{off.preemptions:>12.0f}{on.preemptions:>12.0f}",
+        f"outputs identical (conversation turns): {off.outputs == on.outputs}",
+    ]
+    return "\n".join(lines)
