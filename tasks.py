@@ -2,10 +2,12 @@
 
 from invoke import Collection
 
-from rig.cli import dev, env, serve
+from rig.cli import bench, dev, env, patch, serve
 
 ns = Collection()
 ns.add_collection(env.ns)
+ns.add_collection(patch.ns)
+ns.add_collection(bench.ns)
 ns.add_task(serve.serve)
 ns.add_task(serve.service)
 ns.add_task(dev.test)
