@@ -83,6 +83,7 @@ def test_one_factor_scales_lengths_and_counts_with_floors():
     # at least one full round at the (capped) concurrency; never below the token floor
     c = RandomCell(input_len=16, output_len=1, concurrency=8, num_prompts=8).scaled(s, max_concurrency=16)
     assert (c.input_len, c.concurrency, c.num_prompts) == (4, 8, 8)
+    assert s.tokens(1) == 1 and s.tokens(3) == 3 and s.tokens(9) == 4  # a 1-token prefill output stays 1
     full = RandomCell(input_len=7681, output_len=511, concurrency=4, num_prompts=8)
     assert full.scaled(Scale(), 64) == full
 
@@ -197,7 +198,7 @@ def test_result_files_are_written_whole(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"protocol": ["nope"]}, "unknown protocol 'nope'"),
-    ({"protocol": ["raw"], "set": ["SPEC=mtp"], "profile": "single-user"}, "needs SPEC=off, but --set SPEC=mtp"),
+    ({"protocol": ["raw"], "set": ["PREFIX_CACHE=1"]}, "needs PREFIX_CACHE=0, but --set PREFIX_CACHE=1"),
     ({"protocol": ["cohort"], "set": ["MAX_SEQS"]}, "expected KNOB=value"),
     ({"protocol": ["cohort"], "set": ["NOPE=1"]}, "--set NOPE: unknown knob"),
     ({"protocol": ["cohort"], "profile": "fast"}, "unknown profile 'fast'"),

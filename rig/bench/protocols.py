@@ -37,7 +37,8 @@ class Scale(BaseModel):
     min_requests: int = Field(1, description="no scaled request count goes below this")
 
     def tokens(self, n: int) -> int:
-        return n if self.factor == 1 else max(self.min_tokens, math.ceil(n * self.factor))
+        """A scaled token length; a length already under the floor (a 1-token output) stays as it is."""
+        return n if self.factor == 1 else max(min(self.min_tokens, n), math.ceil(n * self.factor))
 
     def count(self, n: int) -> int:
         return n if self.factor == 1 else max(self.min_requests, math.ceil(n * self.factor))

@@ -395,16 +395,22 @@ class Run:
                 seed = self.next_seed()
                 rng = random.Random(seed)
                 bodies = [self._chat_body(t, rng.choice(prompts), max_tokens, p.ignore_eos, p.enable_thinking,
-                                          f"You are a helpful assistant. (session {seed}-{j})", seed + j)
+                                          f"You are a helpful assistant. (session {seed}-{j})")
                           for j in range(c)]
                 self._client_pass(t, bodies, c, cell, warm, seed, cohort_figures)
                 self._bar.advance()
 
     @staticmethod
-    def _chat_body(t: Target, user: str, max_tokens: int, ignore_eos: bool, thinking: bool, system: str,
-                   seed: int) -> dict[str, Any]:
-        """A chat request with model-default sampling (no temperature/top_p sent; the seed only fixes draws)."""
-        return {"model": t.served_name, "max_tokens": max_tokens, "ignore_eos": ignore_eos, "seed": seed,
+    def _chat_body(t: Target, user: str, max_tokens: int, ignore_eos: bool, thinking: bool,
+                   system: str) -> dict[str, Any]:
+        """A chat request with model-default sampling: no temperature, top_p or seed is sent.
+
+        The call's seed picks prompts and heads the system message instead. A per-request ``seed``
+        is also unsafe here: vLLM 0.28's CPU backend rewinds the request's generator after a
+        partial (chunked) prefill, and its CPU generator has no offset ("CPU Generator does not use
+        offset"), which kills the engine.
+        """
+        return {"model": t.served_name, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
                 "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
                 "chat_template_kwargs": {"enable_thinking": thinking}}
 
@@ -433,7 +439,7 @@ class Run:
                     system = build_system_prompt(tok, ps.system_prompt, sys_tokens, seed)
                     count = conc if k == 0 else n
                     bodies = [self._chat_body(t, ps.prompts[(seed + j) % len(ps.prompts)], max_tokens, p.ignore_eos,
-                                              False, system, seed + j) for j in range(count)]
+                                              False, system) for j in range(count)]
                     self._bar.describe(f"{self.name}: {variant} {'warm-up' if k == 0 else f'pass {k}'}")
                     self._client_pass(t, bodies, conc, cell, k == 0, seed, shared_prefix_figures)
                     self._bar.advance()

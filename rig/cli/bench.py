@@ -77,10 +77,12 @@ def _preflight(protos, pool, sets) -> None:
 def run(c, protocol=None, profile="batch", overlay=None, set=None, platform="", repeat=1, scale=0.0, seed=-1,
         progress=True):
     """Run bench protocols on fresh servers of a profile; results under .rig/results/ (exit 1 if invalid)."""
-    from rig.bench.protocols import CPU_SCALE, Scale
+    from rig.bench.protocols import CPU_SCALE, BenchError, Scale
     from rig.bench.runner import Run
     from rig.bench.servers import ServerPool
     from rig.plan import PlanError
+    from rig.serve import PreflightError
+    from rig.server import ServerError
 
     sets = _sets(set)
     if int(repeat) < 1:
@@ -101,7 +103,10 @@ def run(c, protocol=None, profile="batch", overlay=None, set=None, platform="", 
             print(f"rig: bench {name} on profile {profile} ({base.platform}, scale {factor:g})", flush=True)
             r = Run(name, p, pool.acquire, profile, Scale(factor=factor), int(repeat),
                     None if int(seed) < 0 else int(seed) + 1_000_000 * i, progress=progress)
-            res = r.execute()
+            try:
+                res = r.execute()
+            except (ServerError, PreflightError, BenchError) as e:
+                raise Exit(f"rig: error: {name}: {e}\nrig: results so far: {r.dir.root}", code=1) from None
             print((r.dir.root / "tables.md").read_text() if (r.dir.root / "tables.md").exists() else "", flush=True)
             print(f"rig: {name}: {'valid' if res.valid else 'INVALID'} -> {r.dir.root}", flush=True)
             if not res.valid:

@@ -1,0 +1,175 @@
+"""Every bench protocol end to end on a real CPU vLLM server (tiny hybrid model, CPU scale).
+
+The batch server of the session (PREFIX_CACHE=0) runs everything; shared-prefix's PREFIX_CACHE=1
+variant gets one more server, started by the bench's own ServerPool.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from rig.bench import protocols
+from rig.bench.protocols import CPU_SCALE, Scale
+from rig.bench.results import RunResult
+from rig.bench.runner import Run, Target, fixed
+from rig.plan import resolve
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def target(batch_server, session_tmp) -> Target:
+    """The session's batch server with the plan it was started from (conftest.cpu_plan, same port)."""
+    plan = resolve("batch", platform="cpu", environ={},
+                   sets={"PORT": str(batch_server.port), "API_KEY_FILE": str(session_tmp / "api_key")})
+    return Target.of(batch_server, plan)
+
+
+def run(name: str, acquire, out: Path, seed: int, protocol=None) -> RunResult:
+    r = Run(name, protocol or protocols.load(name), acquire, "batch", Scale(factor=CPU_SCALE), repeat=1,
+            seed=seed, out=out, progress=False)
+    return r.execute()
+
+
+def check_files(out: Path, r: RunResult, plots: set[str]) -> None:
+    assert RunResult.model_validate_json((out / "result.json").read_text()) == r
+    for name in ("requests.jsonl", "tables.md", *(f"{p}.png" for p in plots)):
+        assert (out / name).stat().st_size > 0, name
+    for p in plots:
+        assert (out / f"{p}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(set(r.seeds)) == len(r.seeds), "a seed was reused"
+    assert r.fingerprint["plan"]["knobs"] == r.knobs and r.fingerprint["packages"]["vllm"]
+    assert r.finished_utc is not None
+
+
+def kept(cell):
+    return [p for p in cell.passes if not p.warmup]
+
+
+def test_throughput(target, tmp_path):
+    r = run("throughput", fixed(target), tmp_path, seed=100_000)
+    assert r.valid, r.problems
+    check_files(tmp_path, r, {"throughput_vs_concurrency", "ttft_tpot_distributions"})
+    assert [c.params["concurrency"] for c in r.cells] == [1, 16, 16]  # 64 capped by MAX_SEQS 16
+    assert r.cells[0].passes[0].warmup and len(kept(r.cells[0])) == 1
+    for c in r.cells:
+        p = kept(c)[0]
+        assert p.command.startswith("vllm bench serve --backend vllm") and "--ignore-eos" in p.command
+        assert p.figures["output_tok_per_s"] > 0 and p.figures["median_tpot_ms"] > 0
+        assert p.figures["total_output_tokens"] == c.params["num_prompts"] * c.params["output_len"]
+    assert any(c.median("steady_decode_tok_per_s") for c in r.cells), [kept(c)[0].steady_state for c in r.cells]
+    assert [any("queue time" in f for f in c.flags) for c in r.cells] == [False, True, True]
+    table = (tmp_path / "tables.md").read_text()
+    assert "| workload | steady-state decode | output tok/s (e2e) | median TPOT | median TTFT |" in table
+    assert "128/512, 64 concurrent [scaled: 16/64 c16 n32]" in table
+
+
+def test_prefill(target, tmp_path):
+    r = run("prefill", fixed(target), tmp_path, seed=200_000)
+    assert r.valid, r.problems
+    check_files(tmp_path, r, {"prefill_vs_length", "ttft_tpot_distributions"})
+    assert {c.params["output_len"] for c in r.cells} == {1}
+    assert all(c.median("prompt_tok_per_s") > 0 for c in r.cells)
+    table = (tmp_path / "tables.md").read_text()
+    for row in ("| 1k [scaled: 128] |", "| 16k [scaled: 2048] |", "| 100k [scaled: 12800] |"):
+        assert row in table
+
+
+def test_raw(target, tmp_path):
+    r = run("raw", fixed(target), tmp_path, seed=300_000)
+    assert r.valid, r.problems
+    check_files(tmp_path, r, {"throughput_vs_concurrency"})
+    assert [c.label for c in r.cells] == ["C1", "C4", "C8"]
+    for c in r.cells:
+        assert c.median("tokens_per_round") == pytest.approx(1.0, abs=0.25)
+        assert c.median("pp_tok_per_s") > 0
+        conc = c.params["concurrency"]
+        assert c.median("tg_agg_tok_per_s") == pytest.approx(conc * 1000 / c.median("mean_tpot_ms"))
+
+
+def test_cohort(target, tmp_path):
+    r = run("cohort", fixed(target), tmp_path, seed=400_000)
+    assert r.valid, r.problems
+    check_files(tmp_path, r, {"throughput_vs_concurrency", "ttft_tpot_distributions"})
+    assert [c.label for c in r.cells] == ["C1", "C2", "C4", "C8"]
+    for c in r.cells:
+        p = kept(c)[0]
+        # ignore_eos: every answer is exactly max_tokens, counted from usage (reasoning deltas included)
+        assert p.figures["output_tokens"] == c.params["cohort"] * c.params["max_tokens"] == c.params["cohort"] * 128
+        assert p.figures["e2e_tok_per_s"] > 0 and p.figures["decode_tok_per_s"] > 0 and p.figures["mean_ttft_ms"] > 0
+    rows = (tmp_path / "requests.jsonl").read_text().splitlines()
+    assert len(rows) == 1 + 1 + 2 + 4 + 8  # the warm-up cohort is recorded too
+
+
+def test_long(target, tmp_path):
+    r = run("long", fixed(target), tmp_path, seed=500_000)
+    assert r.valid, r.problems
+    check_files(tmp_path, r, {"ttft_tpot_distributions"})
+    c1, c4 = r.cells
+    assert (c1.params["input_len"], c1.params["num_prompts"]) == (12500, 1)
+    assert (c4.params["input_len"], c4.params["concurrency"], c4.params["num_prompts"]) == (7500, 4, 4)
+    assert kept(c4)[0].figures["total_input_tokens"] >= 4 * 7500
+
+
+def test_failed_requests_make_the_run_invalid_keep_the_data_and_exit_1(target, tmp_path, monkeypatch):
+    from invoke import Context, Exit
+
+    from rig.bench import servers
+    from rig.cli import bench
+
+    wrong = Target(target.url, target.headers, "no-such-model", target.plan, target.alive)
+
+    @contextmanager
+    def acquire(self, knobs):
+        yield wrong
+
+    monkeypatch.setenv("RIG_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(servers.ServerPool, "acquire", acquire)
+    with pytest.raises(Exit) as e:
+        bench.run(Context(), protocol=["cohort"], platform="cpu", progress=False, seed=700_000)
+    assert e.value.code == 1
+    (folder,) = (tmp_path / "results").iterdir()
+    r = RunResult.model_validate_json((folder / "result.json").read_text())
+    assert not r.valid and "failed" in r.problems[0] and "404" in r.problems[0]
+    assert len(r.cells) == 4 and all(not p.ok for c in r.cells for p in c.passes)
+    assert (folder / "tables.md").read_text().count("—") >= 12  # no figure is made up: every cell shows a dash
+    assert "valid: **NO**" in (folder / "tables.md").read_text()
+
+
+def test_shared_prefix_shows_the_prefix_cache_effect(target, tmp_path, session_tmp):
+    from rig.bench.servers import ServerPool
+
+    # Runs beside the session's server: a smaller CPU memory reservation (GPU_UTIL is the share of RAM
+    # on CPU) lets both fit on a 24 GB host; the tiny model's 16 requests use a sliver of either pool.
+    pool = ServerPool("batch", platform="cpu", environ={},
+                      sets={"API_KEY_FILE": str(session_tmp / "api_key"), "GPU_UTIL": "0.15"}, log_dir=session_tmp)
+
+    @contextmanager
+    def acquire(knobs):
+        if knobs.get("PREFIX_CACHE"):
+            with pool.acquire(knobs) as t:
+                yield t
+        else:
+            with fixed(target)(knobs) as t:
+                yield t
+
+    try:
+        r = run("shared-prefix", acquire, tmp_path, seed=600_000)
+    finally:
+        pool.close()
+    assert pool.started == 1
+    assert r.valid, r.problems
+    check_files(tmp_path, r, {"ttft_tpot_distributions"})
+    default, cached = r.cells
+    assert (default.label, cached.label) == ("default", "prefix_cache")
+    assert r.variant_plans["prefix_cache"]["knobs"]["PREFIX_CACHE"] == 1
+    assert any("prefix_cache: prefix cache reset: done" in n for n in r.notes), r.notes
+    assert (cached.median("mean_cached_prompt_tokens") or 0) > 0.5 * default.params["system_prompt_tokens"]
+    ratio = r.derived["wall_ratio_default_over_prefix_cache"]
+    print(f"\nshared-prefix on CPU: wall {default.median('wall_s'):.2f} s without prefix caching, "
+          f"{cached.median('wall_s'):.2f} s with it: {ratio:.2f}x")
+    assert ratio > 1.3
+    assert "wall_ratio_default_over_prefix_cache" in (tmp_path / "tables.md").read_text()
