@@ -47,7 +47,9 @@ class Scenario:
     reply_tokens: int = 96  # the assistant turn as re-rendered into the next prompt
     unrelated_prompt: int = 320  # tokens per unrelated request
     unrelated_output: int = 4
-    num_blocks: int = 48  # --num-gpu-blocks-override
+    num_blocks: int = 128  # --num-gpu-blocks-override
+    noise_streams: int = 2  # unrelated requests in flight at once (--max-num-seqs is this + 1)
+    unrelated_per_turn: int = 24  # sent as the turn's first token arrives, all done before the next turn
     chunk: int = 128  # --max-num-batched-tokens
     seed: int = 0
 
@@ -67,12 +69,12 @@ class Side:
     preemptions: float = 0.0
 
 
-def serve_argv(model: Path, port: int, num_blocks: int, chunk: int) -> list[str]:
+def serve_argv(model: Path, port: int, num_blocks: int, chunk: int, max_seqs: int) -> list[str]:
     """The CPU serve line for the tiny hybrid model with prefix caching and a small pool."""
     return [
         str(paths.ROOT / ".venv" / "bin" / "vllm"), "serve", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-        "--max-model-len", "2048", "--max-num-seqs", "8", "--max-num-batched-tokens", str(chunk),
+        "--max-model-len", "2048", "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", str(chunk),
         "--gpu-memory-utilization", "0.1", "--mamba-ssm-cache-dtype", "float32", "--block-size", "32",
         "--enable-prefix-caching", "--enforce-eager", "--num-gpu-blocks-override", str(num_blocks),
     ]
@@ -115,10 +117,10 @@ def _stream(client: httpx.Client, server: VllmServer, prompt: list[int], max_tok
     return ttft or 0.0, out
 
 
-def _unrelated(server: VllmServer, sc: Scenario, rng: random.Random, stop: threading.Event, sent: list[int]) -> None:
-    """Unrelated requests one after another until ``stop``: random prompts share no prefix."""
+def _unrelated(server: VllmServer, sc: Scenario, rng: random.Random, count: int, sent: list[int]) -> None:
+    """``count`` unrelated requests one after another: random prompts share no prefix."""
     with httpx.Client(timeout=600) as client:
-        while not stop.is_set():
+        for _ in range(count):
             prompt = [rng.randrange(16, 2000) for _ in range(sc.unrelated_prompt)]
             body = {"model": "tiny", "prompt": prompt, "max_tokens": sc.unrelated_output, "temperature": 0,
                     "ignore_eos": True}
@@ -137,20 +139,23 @@ def run_conversation(server: VllmServer, sc: Scenario, knob: bool) -> Side:
         m0 = metrics(client, server.url, server.headers())
         for turn in range(sc.turns):
             before = metrics(client, server.url, server.headers())
-            stop, sent, at_first = threading.Event(), [0], {}
-            noise = threading.Thread(target=_unrelated,
-                                     args=(server, sc, random.Random(sc.seed * 1000 + turn), stop, sent))
+            sent, at_first = [0], {}
+            per_stream = sc.unrelated_per_turn // sc.noise_streams
+            seeds = [sc.seed * 1000 + turn * 10 + i for i in range(sc.noise_streams)]
+            noise = [threading.Thread(target=_unrelated, args=(server, sc, random.Random(x), per_stream, sent))
+                     for x in seeds]
 
-            def first(before=before, noise=noise, at_first=at_first) -> None:
+            def first(noise=noise, at_first=at_first) -> None:
                 at_first.update(metrics(client, server.url, server.headers()))
-                noise.start()
+                for t in noise:
+                    t.start()
 
             try:
                 ttft, out = _stream(client, server, history, sc.turn_output, on_first=first)
             finally:
-                stop.set()
-                if noise.ident is not None:
-                    noise.join()
+                for t in noise:
+                    if t.ident is not None:
+                        t.join()
             side.unrelated_sent += sent[0]
             side.outputs.append(out)
             if turn > 0:
@@ -172,7 +177,7 @@ def run_side(model: Path, sc: Scenario, knob: bool, log_dir: Path) -> Side:
     port = free_port()
     env = {**paths.cache_env(), KNOB: "1" if knob else "0"}
     log = log_dir / f"mamba-checkpoint-{'on' if knob else 'off'}-{port}.log"
-    argv = serve_argv(model, port, sc.num_blocks, sc.chunk)
+    argv = serve_argv(model, port, sc.num_blocks, sc.chunk, sc.noise_streams + 1)
     with VllmServer(argv, env, log, port=port, served_name="tiny") as server:
         return run_conversation(server, sc, knob)
 
@@ -192,7 +197,8 @@ def report(sc: Scenario, off: Side, on: Side) -> str:
     lines = [
         f"scenario: {sc.turns} turns, first prompt {sc.first_prompt} tok, each next prompt +{sc.reply_tokens} "
         f"re-rendered reply +{sc.user_tokens} user tok, {sc.turn_output} tok decoded/turn; unrelated "
-        f"{sc.unrelated_prompt}+{sc.unrelated_output} tok requests during each decode; "
+        f"{sc.unrelated_per_turn} x {sc.unrelated_prompt}+{sc.unrelated_output} tok ({sc.noise_streams} at a time) "
+        f"sent at each turn's first token; "
         f"--num-gpu-blocks-override {sc.num_blocks} --max-num-batched-tokens {sc.chunk} (block 64)",
         f"{'':34}{'knob off':>12}{'knob on':>12}",
         f"{'turn prompts (tok)':34}{str(off.turn_prompt):>12}",

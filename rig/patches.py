@@ -487,27 +487,46 @@ def _prefix_state(series: Series, tree: Tree) -> int | None:
     return None
 
 
-def _isolated_state(patch: Patch, tree: Tree) -> PatchState:
-    """Judge one patch alone, position-tolerant (only when the tree is in no clean series state):
-    applied when every hunk's patched lines occur in its file, not applied when every hunk's
-    original lines do, else modified, with the strict failure of each way as the reason."""
-    def everywhere(new: bool) -> bool:
-        return all(_where(tree[fp.path], h.side(new=new)) for fp in patch.files for h in fp.hunks)
+def _hunk_problem(patch: Patch, fp: FilePatch, hunk: Hunk, lines: list[str], reverse: bool) -> str:
+    return str(_hunk_failure(patch, fp, hunk, lines, reverse))
 
-    for new, label in ((True, APPLIED), (False, NOT_APPLIED)):
-        if everywhere(new=new):
-            try:
-                _apply_patch(patch, tree, reverse=new)
-                return PatchState(patch.name, label)
-            except HunkError as e:
-                return PatchState(patch.name, label, [f"cannot be {'reverted' if new else 'applied'}: {e}"])
-    problems = []
-    for reverse, label in ((True, "as applied"), (False, "as not applied")):
-        try:
-            _apply_patch(patch, tree, reverse)
-        except HunkError as e:
-            problems.append(f"{label}: {e}")
-    return PatchState(patch.name, MODIFIED, problems)
+
+def _judge(patch: Patch, tree: Tree) -> tuple[PatchState, Tree]:
+    """One patch against ``tree``, position-tolerant, hunk by hunk; also the tree with whatever of
+    it fits applied (so the next patch, cut on top of this one, is judged in its own context)."""
+    problems: list[str] = []
+    states: set[str] = set()
+    result = dict(tree)
+    for fp in patch.files:
+        lines = result[fp.path]
+        out: list[str] = []
+        pos = 0
+        for hunk in fp.hunks:
+            new_at, old_at = _where(lines, hunk.side(new=True)), _where(lines, hunk.side(new=False))
+            new_at = [n for n in new_at if n - 1 >= pos]
+            old_at = [n for n in old_at if n - 1 >= pos]
+            if new_at and not (old_at and old_at[0] < new_at[0]):
+                states.add(APPLIED)
+                at, length, repl = new_at[0] - 1, len(hunk.side(new=True)), hunk.side(new=True)
+                expected = hunk.start(new=True)
+            elif old_at:
+                states.add(NOT_APPLIED)
+                at, length, repl = old_at[0] - 1, len(hunk.side(new=False)), hunk.side(new=True)
+                expected = hunk.start(new=False)
+            else:
+                states.add(MODIFIED)
+                problems.append(_hunk_problem(patch, fp, hunk, lines, reverse=False))
+                continue
+            if at != expected:
+                problems.append(f"{patch.file_name}: hunk #{hunk.index} {hunk.header} of {fp.path}: found at line "
+                                f"{at + 1}, expected at line {expected + 1} (the code moved: re-cut the patch)")
+            out.extend(lines[pos:at])
+            out.extend(repl)
+            pos = at + length
+        out.extend(lines[pos:])
+        result[fp.path] = out
+    state = states.pop() if len(states) == 1 else MODIFIED
+    return PatchState(patch.name, state, problems), result
 
 
 def _first_failure(series: Series, tree: Tree) -> HunkError | None:
@@ -535,7 +554,10 @@ def state(root: Path | None = None, series: Series | None = None) -> SeriesState
     if k is not None:
         states = [PatchState(p.name, APPLIED if i < k else NOT_APPLIED) for i, p in enumerate(series.patches)]
     else:
-        states = [_isolated_state(p, tree) for p in series.patches]
+        states = []
+        for p in series.patches:  # each judged on top of what fits of the ones before it
+            st, tree = _judge(p, tree)
+            states.append(st)
     return SeriesState(root, version, states, k)
 
 

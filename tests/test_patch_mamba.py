@@ -28,7 +28,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheGroupSpec,
     MambaSpec,
 )
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 B = 16  # tokens per block (attention and mamba aligned, as align mode makes them)
 KNOB = "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS"
@@ -41,7 +41,8 @@ class Sim:
     manager: KVCacheManager
     active: list[list] = field(default_factory=list)  # [request, outputs, next output index]
     running_alloc_failures: int = 0
-    max_kept_seen: int = 0
+    max_kept_seen: int = 0  # kept checkpoints, all groups and requests together
+    max_kept_per_request_group: int = 0
 
     @classmethod
     def make(cls, num_blocks: int) -> Sim:
@@ -65,6 +66,7 @@ class Sim:
         blocks, hit, _ = self.manager.get_computed_blocks(r)
         if self.manager.allocate_slots(r, r.num_prompt_tokens - hit, hit, blocks) is None:
             return None
+        r.status = RequestStatus.RUNNING
         r.num_computed_tokens = r.num_prompt_tokens
         r.append_output_token_ids(outputs[0])
         self.active.append([r, outputs, 1])
@@ -85,9 +87,10 @@ class Sim:
             r.num_computed_tokens += 1
             r.append_output_token_ids(outputs[pos])
             entry[2] += 1
-        kept = sum(sum(len(v) for v in m._kept.values()) for m in self.manager.coordinator.single_type_managers
-                   if hasattr(m, "_kept"))
-        self.max_kept_seen = max(self.max_kept_seen, kept)
+        mamba = [m for m in self.manager.coordinator.single_type_managers if hasattr(m, "_kept")]
+        self.max_kept_seen = max(self.max_kept_seen, sum(len(v) for m in mamba for v in m._kept.values()))
+        self.max_kept_per_request_group = max([self.max_kept_per_request_group,
+                                               *(len(v) for m in mamba for v in m._kept.values())])
 
     def attention_hit_tokens(self, r: Request) -> int:
         """How much of r's prefix the attention group alone still has cached."""
@@ -163,7 +166,8 @@ def test_keeping_is_bounded_never_starves_and_leaks_nothing(monkeypatch):
     hit, sim, c2 = conversation(every=1)
     assert sum(released) > 0  # the pool ran short and the kept checkpoints were given back ...
     assert sim.running_alloc_failures == 0  # ... so no running request was refused a block
-    assert 0 < sim.max_kept_seen <= 3 * 2
+    assert sim.max_kept_per_request_group <= 2  # VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX
+    assert 0 < sim.max_kept_seen <= 3 * (48 // 16)  # 3 mamba groups x 1/16 of the 48-block pool
     while sim.active:
         sim.step()
     pool = sim.manager.block_pool
@@ -179,7 +183,7 @@ def test_preemption_path_releases_kept_checkpoints(monkeypatch):
     sim.start(c1, OUT1)
     for _ in range(30):  # past the checkpoints at 80 and 96
         sim.step()
-    assert sim.max_kept_seen > 0
+    assert sim.max_kept_per_request_group == 2 and sim.max_kept_seen == 3 * 2
     sim.manager.free(c1)
     sim.active.clear()
     pool = sim.manager.block_pool
