@@ -128,7 +128,7 @@ def rules(k: Knobs, pf: profiles.ProfileFile, platform: str) -> tuple[list[str],
             errors.append(f"PREFILL_ATTN={k.PREFILL_ATTN!r}: a CUDA kernel; allowed on cpu: 'auto'")
         if k.SPEC != "off" and fix.get("SPEC") != "off":
             errors.append(f"SPEC={k.SPEC!r}: vLLM 0.28's CPU backend cannot decode speculatively on this hybrid "
-                          "model (its GDN decode kernel fails on the first request; docs/profiles.md); "
+                          "model (its GDN decode kernel fails on a burst of short requests; docs/profiles.md); "
                           "allowed on cpu: 'off'")
     elif k.GPU_ARCH == "cpu":
         errors.append("GPU_ARCH='cpu' on the gpu platform; allowed: sm86, sm89, sm90, sm100, sm120")
