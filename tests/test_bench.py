@@ -98,6 +98,7 @@ def test_sse_parser_skips_keepalive_comments_and_split_lines():
         events += p.feed(stream[i:i + 7])
     assert len(events) == 3 and p.done
     assert [_delta_has_token(e) for e in events] == [True, True, False]
+    assert _delta_has_token({"choices": [{"delta": {"content": ""}}]})  # an empty delta is still a step
     assert events[2]["usage"]["completion_tokens"] == 2
 
 
@@ -203,6 +204,8 @@ def test_result_files_are_written_whole(tmp_path):
     ({"protocol": ["cohort"], "set": ["NOPE=1"]}, "--set NOPE: unknown knob"),
     ({"protocol": ["cohort"], "profile": "fast"}, "unknown profile 'fast'"),
     ({"protocol": ["cohort"], "repeat": 0}, "--repeat 0: expected an integer >= 1"),
+    ({"protocol": ["cohort"], "scale": "abc"}, "--scale abc: expected a factor in (0, 1]"),
+    ({"protocol": ["cohort"], "scale": "2"}, "--scale 2: expected a factor in (0, 1]"),
 ])
 def test_cli_refuses_bad_input_before_starting_anything(kwargs, message, monkeypatch):
     from rig.bench import servers

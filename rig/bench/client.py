@@ -8,8 +8,9 @@ counting chunks, so a chunk carrying several tokens (speculative decoding) is co
 docs/bench.md shows the two agree within 3 % on the same workload.
 
 The SSE parser works on raw bytes: comment lines (``: keep-alive``), blank lines and ``[DONE]``
-are skipped; reasoning deltas (the qwen3 parser moves text before ``</think>`` into
-``reasoning``/``reasoning_content``) count as tokens like content does. A request that fails —
+are skipped; every event with ``choices`` is an engine output — content, reasoning deltas (the
+qwen3 parser moves text before ``</think>`` into ``reasoning``/``reasoning_content``) or an empty
+delta — as `vllm bench serve` counts them. A request that fails —
 HTTP error, broken stream, no usage — is recorded with its error, never dropped.
 """
 
@@ -47,14 +48,14 @@ class RequestResult:
 
 
 def _delta_has_token(event: dict[str, Any]) -> bool:
-    """True when an SSE event carries generated text (content, reasoning or a completion's text)."""
-    for choice in event.get("choices") or []:
-        if choice.get("text"):
-            return True
-        delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content") or delta.get("tool_calls"):
-            return True
-    return False
+    """True when an SSE event is an engine output: it has choices (text, a delta, even an empty one).
+
+    The rule of `vllm bench serve` (endpoint_request_func.py: any chunk with ``choices``): vLLM
+    sends a chunk per engine step, and a step's text can be empty — a token that ends inside a
+    UTF-8 sequence, a skipped special token — while the token still counts in ``usage``. The
+    chat stream's first chunk (the role) leaves with the first token, after prefill.
+    """
+    return bool(event.get("choices"))
 
 
 class SSEParser:

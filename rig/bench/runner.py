@@ -373,9 +373,10 @@ class Run:
         with sampler:
             batch = asyncio.run(client.run_batch(t.url, "/v1/chat/completions", bodies, concurrency, t.headers,
                                                  on_token=self._bar.token))
-        problems = [f"request {r.index} failed: {r.error}" for r in batch.failed][:5]
-        if len(batch.failed) > 5:
-            problems.append(f"... {len(batch.failed)} failed in all")
+        kinds = sorted({r.error or "" for r in batch.failed})
+        problems = [f"{len(batch.failed)} of {len(bodies)} requests failed: {kinds[0][:300]}"
+                    + (f" (and {len(kinds) - 1} other errors, in requests.jsonl)" if len(kinds) > 1 else "")
+                    ] if batch.failed else []
         p = PassResult(seed=seed, warmup=warmup, ok=not problems, problems=problems,
                        figures=figures(batch) if not batch.failed else {})
         self._counters(p, sampler, t, cell)

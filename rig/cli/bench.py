@@ -16,7 +16,7 @@ RUN_HELP = {
     "set": "KNOB=value for the server, repeatable (a protocol's own needs, e.g. raw's SPEC=off, are added)",
     "platform": "cpu or gpu; default: gpu when NVML finds a CUDA device, else cpu",
     "repeat": "kept passes per cell (after one discarded warm-up); the tables show median and spread",
-    "scale": "multiply every token length and request count by this (0 < f <= 1); default 1 on gpu, 1/8 on cpu",
+    "scale": "multiply every token length and request count by this (0.125 or 1/8); default 1 on gpu, 1/8 on cpu",
     "seed": "first seed (each call gets the next one); default: from the clock",
     "progress": "show rich progress bars (--no-progress for logs)",
 }
@@ -34,6 +34,22 @@ def _sets(items: list[str] | None) -> dict[str, str]:
         k, v = item.split("=", 1)
         sets[k.strip()] = v.strip()
     return sets
+
+
+def _scale(text: str) -> float | None:
+    """--scale as a number or a fraction (0.125, 1/8); None = the platform's default."""
+    from fractions import Fraction
+
+    if not str(text).strip():
+        return None
+    try:
+        f = float(Fraction(str(text).strip()))
+    except (ValueError, ZeroDivisionError):
+        f = -1.0
+    if not 0 < f <= 1:
+        raise _fail(f"--scale {text}: expected a factor in (0, 1], e.g. 0.125 or 1/8; leave it out for the "
+                    f"platform default (1 on gpu, 1/8 on cpu)")
+    return f
 
 
 def _protocols(names: list[str] | None) -> list[tuple[str, object]]:
@@ -74,7 +90,7 @@ def _preflight(protos, pool, sets) -> None:
 
 
 @task(default=True, iterable=["protocol", "overlay", "set"], help=RUN_HELP)
-def run(c, protocol=None, profile="batch", overlay=None, set=None, platform="", repeat=1, scale=0.0, seed=-1,
+def run(c, protocol=None, profile="batch", overlay=None, set=None, platform="", repeat=1, scale="", seed=-1,
         progress=True):
     """Run bench protocols on fresh servers of a profile; results under .rig/results/ (exit 1 if invalid)."""
     from rig.bench.protocols import CPU_SCALE, BenchError, Scale
@@ -87,8 +103,7 @@ def run(c, protocol=None, profile="batch", overlay=None, set=None, platform="", 
     sets = _sets(set)
     if int(repeat) < 1:
         raise _fail(f"--repeat {repeat}: expected an integer >= 1 (kept passes per cell)")
-    if not 0 <= float(scale) <= 1:
-        raise _fail(f"--scale {scale}: expected a factor in (0, 1], e.g. 0.125; 0 means the platform default")
+    factor = _scale(scale)
     protos = _protocols(protocol)
     pool = ServerPool(profile, overlay or [], platform or None, sets)
     try:
@@ -96,7 +111,7 @@ def run(c, protocol=None, profile="batch", overlay=None, set=None, platform="", 
     except PlanError as e:
         raise _fail("\n".join(e.messages)) from None
     _preflight(protos, pool, sets)
-    factor = float(scale) or (CPU_SCALE if base.platform == "cpu" else 1.0)
+    factor = factor or (CPU_SCALE if base.platform == "cpu" else 1.0)
     invalid = []
     with pool:
         for i, (name, p) in enumerate(protos):
