@@ -158,7 +158,7 @@ async def _burst(server: VllmServer, n: int) -> list[str]:
     async with httpx.AsyncClient(timeout=300.0, headers=server.headers()) as client:
         async def one(i: int) -> str | None:
             try:
-                r = await client.post(f"{server.url}/v1/completions", json={**body, "seed": i})
+                r = await client.post(f"{server.url}/v1/completions", json=body)
                 return None if r.status_code == 200 else f"request {i}: HTTP {r.status_code} {r.text[:200]}"
             except httpx.HTTPError as e:
                 return f"request {i}: {e!r}"
