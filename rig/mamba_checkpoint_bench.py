@@ -43,13 +43,13 @@ class Scenario:
     turns: int = 4
     first_prompt: int = 300  # tokens of the conversation's first prompt
     user_tokens: int = 64  # new tokens each later turn appends after the history
-    turn_output: int = 192  # tokens each turn decodes (ignore_eos)
+    turn_output: int = 512  # tokens each turn decodes (ignore_eos): long, so the traffic fits in it
     reply_tokens: int = 96  # the assistant turn as re-rendered into the next prompt
     unrelated_prompt: int = 320  # tokens per unrelated request
     unrelated_output: int = 4
     num_blocks: int = 128  # --num-gpu-blocks-override
-    noise_streams: int = 2  # unrelated requests in flight at once (--max-num-seqs is this + 1)
-    unrelated_per_turn: int = 24  # sent as the turn's first token arrives, all done before the next turn
+    noise_streams: int = 2  # clients sending unrelated requests one after another (--max-num-seqs is this + 1)
+    unrelated_per_turn: int = 16  # in all, starting at the turn's first token, all done before the next turn
     chunk: int = 128  # --max-num-batched-tokens
     seed: int = 0
 
@@ -59,13 +59,14 @@ class Side:
     """What one server (knob off or on) measured."""
 
     knob: bool
-    hits: float = 0.0  # Δ vllm:prefix_cache_hits_total over the conversation turns (tokens)
-    queries: float = 0.0  # Δ vllm:prefix_cache_queries_total over the conversation turns
+    hits: float = 0.0  # Δ vllm:prefix_cache_hits_total over the whole run after warm-up (tokens)
+    queries: float = 0.0  # Δ vllm:prefix_cache_queries_total, same window (the unrelated requests too)
     turn_ttft_ms: list[float] = field(default_factory=list)  # turns 2.. (turn 1 has nothing to hit)
-    turn_cached: list[int] = field(default_factory=list)  # hits per turn 2.. (tokens)
+    turn_cached: list[int] = field(default_factory=list)  # usage cached_tokens per turn 2..
     turn_prompt: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)  # conversation turns' output ids
     unrelated_sent: int = 0
+    unrelated_after_turn: int = 0  # unrelated requests that ended after their turn (should be 0)
     preemptions: float = 0.0
 
 
@@ -76,7 +77,8 @@ def serve_argv(model: Path, port: int, num_blocks: int, chunk: int, max_seqs: in
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
         "--max-model-len", "2048", "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", str(chunk),
         "--gpu-memory-utilization", "0.1", "--mamba-ssm-cache-dtype", "float32", "--block-size", "32",
-        "--enable-prefix-caching", "--enforce-eager", "--num-gpu-blocks-override", str(num_blocks),
+        "--enable-prefix-caching", "--enforce-eager", "--enable-prompt-tokens-details",
+        "--num-gpu-blocks-override", str(num_blocks),
     ]
 
 
@@ -92,12 +94,14 @@ def metrics(client: httpx.Client, url: str, headers: dict[str, str]) -> dict[str
 
 
 def _stream(client: httpx.Client, server: VllmServer, prompt: list[int], max_tokens: int,
-            on_first: Callable[[], None] | None = None) -> tuple[float, list[int]]:
-    """(TTFT in ms, output token ids) of one greedy streamed completion; ``on_first`` runs at TTFT."""
+            on_first: Callable[[], None] | None = None) -> tuple[float, list[int], int]:
+    """(TTFT in ms, output token ids, cached prompt tokens) of one greedy streamed completion;
+    ``on_first`` runs at TTFT."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
+            "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft = None
+    cached = -1
     out: list[int] = []
     with client.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers(),
                        timeout=600) as r:
@@ -106,6 +110,8 @@ def _stream(client: httpx.Client, server: VllmServer, prompt: list[int], max_tok
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                cached = ((chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
             ids = (chunk.get("choices") or [{}])[0].get("token_ids") or []
             if ids and ttft is None:
                 ttft = (time.perf_counter() - t0) * 1000
@@ -114,7 +120,9 @@ def _stream(client: httpx.Client, server: VllmServer, prompt: list[int], max_tok
             out.extend(ids)
     if len(out) != max_tokens:
         raise RuntimeError(f"asked for {max_tokens} tokens, got {len(out)}")
-    return ttft or 0.0, out
+    if cached < 0:
+        raise RuntimeError("no usage.prompt_tokens_details in the stream: is --enable-prompt-tokens-details set?")
+    return ttft or 0.0, out, cached
 
 
 def _unrelated(server: VllmServer, sc: Scenario, rng: random.Random, count: int, sent: list[int]) -> None:
@@ -126,6 +134,7 @@ def _unrelated(server: VllmServer, sc: Scenario, rng: random.Random, count: int,
                     "ignore_eos": True}
             client.post(f"{server.url}/v1/completions", json=body, headers=server.headers()).raise_for_status()
             sent[0] += 1
+            sent.append(time.monotonic())
 
 
 def run_conversation(server: VllmServer, sc: Scenario, knob: bool) -> Side:
@@ -136,38 +145,41 @@ def run_conversation(server: VllmServer, sc: Scenario, knob: bool) -> Side:
     history = [rng.randrange(16, 2000) for _ in range(sc.first_prompt)]
     with httpx.Client(timeout=600) as client:
         _stream(client, server, [rng.randrange(16, 2000) for _ in range(64)], 4)  # warm-up, not counted
+        time.sleep(1.0)
         m0 = metrics(client, server.url, server.headers())
         for turn in range(sc.turns):
-            before = metrics(client, server.url, server.headers())
-            sent, at_first = [0], {}
+            sent = [0]
+            # moderate pressure: the LRU queue churns but the pool is not saturated (under saturation
+            # the patch gives kept checkpoints back rather than have a running request refused a block)
             per_stream = sc.unrelated_per_turn // sc.noise_streams
-            seeds = [sc.seed * 1000 + turn * 10 + i for i in range(sc.noise_streams)]
+            seeds = [sc.seed * 1000 + turn * 100 + i for i in range(sc.noise_streams)]
             noise = [threading.Thread(target=_unrelated, args=(server, sc, random.Random(x), per_stream, sent))
                      for x in seeds]
 
-            def first(noise=noise, at_first=at_first) -> None:
-                at_first.update(metrics(client, server.url, server.headers()))
+            def first(noise=noise) -> None:
                 for t in noise:
                     t.start()
 
             try:
-                ttft, out = _stream(client, server, history, sc.turn_output, on_first=first)
+                ttft, out, cached = _stream(client, server, history, sc.turn_output, on_first=first)
+                turn_end = time.monotonic()
             finally:
                 for t in noise:
                     if t.ident is not None:
                         t.join()
             side.unrelated_sent += sent[0]
+            side.unrelated_after_turn += sum(t > turn_end for t in sent[1:])
             side.outputs.append(out)
             if turn > 0:
-                hits = at_first["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
                 side.turn_ttft_ms.append(round(ttft, 1))
                 side.turn_prompt.append(len(history))
-                side.turn_cached.append(int(hits))
-                side.hits += hits
-                side.queries += at_first["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
+                side.turn_cached.append(cached)
             reply = [rng.randrange(16, 2000) for _ in range(sc.reply_tokens)]
             history = history + reply + [rng.randrange(16, 2000) for _ in range(sc.user_tokens)]
+        time.sleep(2.0)  # the engine's last stats reach /metrics asynchronously
         m1 = metrics(client, server.url, server.headers())
+        side.hits = m1["vllm:prefix_cache_hits_total"] - m0["vllm:prefix_cache_hits_total"]
+        side.queries = m1["vllm:prefix_cache_queries_total"] - m0["vllm:prefix_cache_queries_total"]
         side.preemptions = m1.get("vllm:num_preemptions_total", 0.0) - m0.get("vllm:num_preemptions_total", 0.0)
     return side
 
@@ -197,18 +209,20 @@ def report(sc: Scenario, off: Side, on: Side) -> str:
     lines = [
         f"scenario: {sc.turns} turns, first prompt {sc.first_prompt} tok, each next prompt +{sc.reply_tokens} "
         f"re-rendered reply +{sc.user_tokens} user tok, {sc.turn_output} tok decoded/turn; unrelated "
-        f"{sc.unrelated_per_turn} x {sc.unrelated_prompt}+{sc.unrelated_output} tok ({sc.noise_streams} at a time) "
-        f"sent at each turn's first token; "
+        f"{sc.unrelated_per_turn} x {sc.unrelated_prompt}+{sc.unrelated_output} tok from each turn's first "
+        f"token on ({sc.noise_streams} clients, one request after another); "
         f"--num-gpu-blocks-override {sc.num_blocks} --max-num-batched-tokens {sc.chunk} (block 64)",
         f"{'':34}{'knob off':>12}{'knob on':>12}",
         f"{'turn prompts (tok)':34}{str(off.turn_prompt):>12}",
-        f"{'hits per turn 2.. (tok)':34}{str(off.turn_cached):>12}{str(on.turn_cached):>12}",
-        f"{'prefix_cache_hits_total, turns 2..':34}{off.hits:>12.0f}{on.hits:>12.0f}",
-        f"{'prefix_cache_queries_total, same':34}{off.queries:>12.0f}{on.queries:>12.0f}",
-        f"{'hit rate':34}{off.hits / max(off.queries, 1):>12.1%}{on.hits / max(on.queries, 1):>12.1%}",
+        f"{'cached tokens per turn 2.. (usage)':34}{str(off.turn_cached):>12}  {on.turn_cached}",
+        f"{'turn 2.. prompt tokens cached':34}{sum(off.turn_cached) / max(sum(off.turn_prompt), 1):>12.1%}"
+        f"{sum(on.turn_cached) / max(sum(on.turn_prompt), 1):>12.1%}",
+        f"{'Δ prefix_cache_hits_total (run)':34}{off.hits:>12.0f}{on.hits:>12.0f}",
+        f"{'Δ prefix_cache_queries_total (run)':34}{off.queries:>12.0f}{on.queries:>12.0f}",
         f"{'mean TTFT turns 2.. (ms)':34}{mean(off.turn_ttft_ms):>12.1f}{mean(on.turn_ttft_ms):>12.1f}",
         f"{'TTFT per turn (ms)':34}{str(off.turn_ttft_ms):>12}  {on.turn_ttft_ms}",
         f"{'unrelated requests sent':34}{off.unrelated_sent:>12}{on.unrelated_sent:>12}",
+        f"{'  of which ended after their turn':34}{off.unrelated_after_turn:>12}{on.unrelated_after_turn:>12}",
         f"{'preemptions':34}{off.preemptions:>12.0f}{on.preemptions:>12.0f}",
         f"outputs identical (conversation turns): {off.outputs == on.outputs}",
     ]
