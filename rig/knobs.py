@@ -99,6 +99,12 @@ class Knobs(BaseModel):
             "the target the plan is validated for (the RTX 3090 is sm86); serve checks the real device matches"
         )
     )
+    KEEP_CHECKPOINTS: Literal[0, 1] = Field(
+        description=(
+            "1 = keep a conversation's mamba state checkpoints until its attention blocks go (patch "
+            "mamba-align-checkpoint-order, VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS); needs PREFIX_CACHE=1"
+        )
+    )
     ENFORCE_EAGER: Literal[0, 1] = Field(description="1 = no torch.compile / CUDA graphs (faster start, slower run)")
 
     @field_validator("INT8_LAYERS")

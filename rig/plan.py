@@ -132,6 +132,8 @@ def rules(k: Knobs, pf: profiles.ProfileFile, platform: str) -> tuple[list[str],
                           "allowed on cpu: 'off'")
     elif k.GPU_ARCH == "cpu":
         errors.append("GPU_ARCH='cpu' on the gpu platform; allowed: sm86, sm89, sm90, sm100, sm120")
+    if k.KEEP_CHECKPOINTS and not k.PREFIX_CACHE:
+        errors.append("KEEP_CHECKPOINTS=1: keeps prefix-cache checkpoints, so it needs PREFIX_CACHE=1; allowed: 0")
     if k.HOST not in LOOPBACK:
         warnings.append(f"HOST={k.HOST!r} is reachable from the network: every request needs the API key")
     if k.TOOLS and k.TOOL_PARSER == "hermes":
@@ -205,14 +207,16 @@ def build_argv(k: Knobs, pf: profiles.ProfileFile, model: str) -> list[str]:
 
 def needs(k: Knobs) -> tuple[dict[str, str], list[str], list[str]]:
     """(env, patches, kernels) the knobs imply."""
-    env: dict[str, str] = {}
+    # Every server has an API key; with this patch knob it guards every path but /health, /ping, /version.
+    env: dict[str, str] = {"VLLM_AUTH_DENY_DEFAULT": "1"}
     patches = ["auth-deny-default"]
     kernels: list[str] = []
     if k.INT8_ACT:
         env["VLLM_MARLIN_INPUT_DTYPE"] = k.INT8_ACT
         env["VLLM_MARLIN_INT8_INCLUDE_RE"] = INT8_LAYER_ALIASES.get(k.INT8_LAYERS, k.INT8_LAYERS)
         patches.append("marlin-int8-layer-select")
-    if k.PREFIX_CACHE:
+    if k.KEEP_CHECKPOINTS:
+        env["VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS"] = "1"
         patches.append("mamba-align-checkpoint-order")
     if k.KV == "kvarn":
         kernels.append("kvarn")

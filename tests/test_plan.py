@@ -93,10 +93,18 @@ def test_prefix_cache_zero_really_turns_it_off():
 
 def test_int8_act_exported_only_when_set():
     plan = resolve("batch", (), "gpu", environ={}, sets={"INT8_LAYERS": "gate_up"})
-    assert plan.env == {"VLLM_MARLIN_INPUT_DTYPE": "int8", "VLLM_MARLIN_INT8_INCLUDE_RE": r"\.mlp\.gate_up_proj"}
+    assert plan.env == {"VLLM_AUTH_DENY_DEFAULT": "1", "VLLM_MARLIN_INPUT_DTYPE": "int8",
+                        "VLLM_MARLIN_INT8_INCLUDE_RE": r"\.mlp\.gate_up_proj"}
     assert "marlin-int8-layer-select" in plan.patches
     plain = resolve("batch", (), "gpu", environ={}, sets={"INT8_ACT": ""})
-    assert plain.env == {} and "marlin-int8-layer-select" not in plain.patches
+    assert plain.env == {"VLLM_AUTH_DENY_DEFAULT": "1"} and "marlin-int8-layer-select" not in plain.patches
+
+
+def test_keep_checkpoints_needs_prefix_cache():
+    plan = resolve("batch", (), "gpu", environ={}, sets={"PREFIX_CACHE": "1", "KEEP_CHECKPOINTS": "1"})
+    assert plan.env["VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS"] == "1" and "mamba-align-checkpoint-order" in plan.patches
+    with pytest.raises(PlanError, match="KEEP_CHECKPOINTS=1: keeps prefix-cache checkpoints"):
+        resolve("batch", (), "gpu", environ={}, sets={"KEEP_CHECKPOINTS": "1"})
 
 
 def test_tools_off_drops_auto_tool_choice():
@@ -179,7 +187,7 @@ BAD = {
     "MAX_LEN": "10", "TOOLS": "yes", "TOOL_PARSER": "json", "PORT": "70000", "HOST": "", "GPU_UTIL": "1.0",
     "SPEC": "eagle", "SPEC_K": "0", "DRAFT_MODEL": "", "PREFILL_ATTN": "fp4", "MODEL": "", "SERVED_NAME": "",
     "API_KEY_FILE": "", "TP": "3", "PP": "0", "EXECUTOR": "slurm", "MAMBA_SSM_DTYPE": "int8",
-    "BLOCK_SIZE": "-1", "GPU_ARCH": "sm75", "ENFORCE_EAGER": "2",
+    "BLOCK_SIZE": "-1", "GPU_ARCH": "sm75", "ENFORCE_EAGER": "2", "KEEP_CHECKPOINTS": "yes",
 }
 
 
@@ -204,11 +212,10 @@ def test_serve_refuses_bad_input_with_exit_2_and_starts_nothing(how):
         cmd += ["--set", "GPU_UTIL=1.5"]
     else:
         env["GPU_UTIL"] = "1.5"
-    before = {p.pid for p in psutil.process_iter()}
     r = subprocess.run(cmd, cwd=paths.ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "rig: error: GPU_UTIL=" in r.stderr and "allowed: float > 0 and < 1" in r.stderr
     assert not port_in_use(port)
-    spawned = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
-               and any("vllm" in part for part in (p.info["cmdline"] or []))]
+    # a server of this plan would carry its unique port on its command line
+    spawned = [p for p in psutil.process_iter(["cmdline"]) if str(port) in (p.info["cmdline"] or [])]
     assert spawned == []

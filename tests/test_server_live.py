@@ -65,3 +65,6 @@ def test_metrics_count_generated_tokens(batch_server):
 def test_requests_without_the_key_are_refused(batch_server):
     body = {"model": batch_server.served_name, "prompt": "Hi", "max_tokens": 1}
     assert httpx.post(f"{batch_server.url}/v1/completions", json=body, timeout=30).status_code == 401
+    # the plan turns on the auth-deny-default patch: /metrics needs the key too, /health does not
+    assert httpx.get(f"{batch_server.url}/metrics", timeout=30).status_code == 401
+    assert httpx.get(f"{batch_server.url}/health", timeout=30).status_code == 200
