@@ -142,10 +142,10 @@ def test_failed_requests_make_the_run_invalid_keep_the_data_and_exit_1(target, t
 def test_shared_prefix_shows_the_prefix_cache_effect(target, tmp_path, session_tmp):
     from rig.bench.servers import ServerPool
 
-    # Runs beside the session's server: a smaller CPU memory reservation (GPU_UTIL is the share of RAM
-    # on CPU) lets both fit on a 24 GB host; the tiny model's 16 requests use a sliver of either pool.
+    # Runs beside the session's server: a small CPU memory reservation (GPU_UTIL is the share of RAM on
+    # CPU: 0.05 = 1.2 GB) lets both fit on a shared 24 GB host; 16 requests of ~800 tokens need ~50 MB of KV.
     pool = ServerPool("batch", platform="cpu", environ={},
-                      sets={"API_KEY_FILE": str(session_tmp / "api_key"), "GPU_UTIL": "0.15"}, log_dir=session_tmp)
+                      sets={"API_KEY_FILE": str(session_tmp / "api_key"), "GPU_UTIL": "0.05"}, log_dir=session_tmp)
 
     @contextmanager
     def acquire(knobs):
@@ -167,7 +167,8 @@ def test_shared_prefix_shows_the_prefix_cache_effect(target, tmp_path, session_t
     assert (default.label, cached.label) == ("default", "prefix_cache")
     assert r.variant_plans["prefix_cache"]["knobs"]["PREFIX_CACHE"] == 1
     assert any("prefix_cache: prefix cache reset: done" in n for n in r.notes), r.notes
-    assert (cached.median("mean_cached_prompt_tokens") or 0) > 0.5 * default.params["system_prompt_tokens"]
+    assert "prefix_cache_hit_pct" not in default.summary  # PREFIX_CACHE=0: no queries at all
+    assert cached.median("prefix_cache_hit_pct") > 50  # the shared system prompt came from the cache
     ratio = r.derived["wall_ratio_default_over_prefix_cache"]
     print(f"\nshared-prefix on CPU: wall {default.median('wall_s'):.2f} s without prefix caching, "
           f"{cached.median('wall_s'):.2f} s with it: {ratio:.2f}x")
