@@ -1,0 +1,1 @@
+"""The quality battery: suites in quality/, one module per concern here, `inv quality` in rig/cli/quality.py."""
