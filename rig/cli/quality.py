@@ -1,0 +1,76 @@
+"""`inv quality`: the quality battery with pass/fail gates (exit 0 only when every gate passes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from invoke import Exit, task
+
+HELP = {
+    "profile": "profile to judge (profiles/*.toml): batch, single-user, kvarn",
+    "overlay": "extra overlay(s) before `quality` (tp2, ...), repeatable; the quality overlay is always applied",
+    "set": "KNOB=value, repeatable (e.g. INT8_ACT= for the plain W4A16 reference run)",
+    "platform": "cpu or gpu; default: gpu when NVML finds a CUDA device, else cpu",
+    "url": "measure an already running server at this URL instead of starting one; it is refused unless its "
+           "/metrics show the quality settings (prefix caching off, GPU_UTIL within the overlay's)",
+    "key_file": "with --url: file holding that server's API key (default: the plan's API_KEY_FILE)",
+    "suite": "battery in quality/battery.toml: online, offline, tiny; auto = online on GPU, tiny on CPU",
+    "reference": "reference result JSON to gate against (default: quality/references/ or .rig/quality-references/ "
+                 "for this model and battery)",
+    "save_reference": "record this run as the model's reference (run it on the known-good plan)",
+    "docs": "update the generated section of docs/quality.md (default on; --no-docs to skip)",
+}
+
+
+def quality_plan(profile: str, overlay: list[str] | None, set: list[str] | None, platform: str):
+    """The plan the battery serves: the profile with the given overlays, then `quality`."""
+    from rig.plan import PlanError, resolve
+
+    sets = {}
+    for item in set or []:
+        if "=" not in item:
+            raise Exit(f"rig: error: --set {item!r}: expected KNOB=value, e.g. --set INT8_ACT=", code=2)
+        k, v = item.split("=", 1)
+        sets[k.strip()] = v.strip()
+    overlays = [o for o in overlay or [] if o != "quality"] + ["quality"]
+    try:
+        return resolve(profile, overlays, platform or None, sets=sets)
+    except PlanError as e:
+        raise Exit("\n".join(f"rig: error: {m}" for m in e.messages), code=2) from None
+
+
+def _key(plan, key_file: str) -> str | None:
+    from rig import paths
+
+    path = Path(key_file or plan.api_key_file)
+    path = path if path.is_absolute() else paths.ROOT / path
+    if not path.exists():
+        raise Exit(f"rig: error: --key-file {path}: no such file; pass the running server's key file", code=2)
+    return path.read_text().strip() or None
+
+
+@task(iterable=["overlay", "set"], help=HELP)
+def quality(c, profile="batch", overlay=None, set=None, platform="", url="", key_file="", suite="auto",
+            reference="", save_reference=False, docs=True):
+    """Quality battery: perplexity, lm-eval, garbage, tool calls, greedy digest; gates; table, JSON, docs."""
+    from rig.plan import PlanError
+    from rig.quality import battery, report
+    from rig.quality.client import ServerRefused
+    from rig.serve import PreflightError
+    from rig.server import ServerError
+
+    plan = quality_plan(profile, overlay, set, platform)
+    key = _key(plan, key_file) if url else None
+    try:
+        result = battery.run(plan, suite, url=url or None, key=key, reference=Path(reference) if reference else None,
+                             save_reference=save_reference)
+    except (battery.QualityError, PreflightError, PlanError) as e:
+        raise Exit(f"rig: error: {e}", code=2) from None
+    except (ServerError, ServerRefused) as e:
+        raise Exit(f"rig: error: the server failed during the battery: {e}", code=1) from None
+    report.print_table(result)
+    print(f"rig: result: {result['path']}")
+    if docs:
+        print(f"rig: updated {report.update_docs(result)}")
+    if not result["passed"]:
+        raise Exit(code=1)

@@ -1,0 +1,282 @@
+"""The quality battery without a server: suite files, the garbage detector, gates, refusals, reports."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from rig import paths
+from rig.quality import garbage, gates, lmeval, report, requirements, suite
+from rig.quality.digest import digest
+from rig.quality.perplexity import load_text
+from rig.quality.toolcall import check_message
+
+# ---- suite files -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["online", "offline", "tiny", "tiny-quick"])
+def test_every_battery_resolves(name):
+    res = suite.resolve(name)
+    assert res.perplexity.sets and res.garbage.prompts and res.digest.prompts
+
+
+def test_every_file_declares_schema_version_and_kind():
+    import tomllib
+
+    for path in sorted(paths.QUALITY.glob("*.toml")):
+        data = tomllib.loads(path.read_text())
+        assert data["schema_version"] == 1 and data["kind"] == path.stem, path
+
+
+def test_every_field_is_documented():
+    for model in (suite.TextSource, suite.PerplexitySuite, suite.LmEvalSuite, suite.GarbageSuite, suite.ToolSuite,
+                  suite.DigestSuite, suite.Gates, suite.Battery, *suite.FILES.values()):
+        undocumented = [n for n, f in model.model_fields.items() if not f.description]
+        assert not undocumented, f"{model.__name__}: {undocumented}"
+
+
+def test_unknown_key_is_refused_naming_file_and_key(tmp_path):
+    shutil.copytree(paths.QUALITY, tmp_path / "q")
+    path = tmp_path / "q" / "gates.toml"
+    path.write_text(path.read_text().replace("garbage_greedy_max = 0", "garbage_greedy_maxx = 0", 1))
+    with pytest.raises(suite.SuiteError) as e:
+        suite.load("gates", tmp_path / "q")
+    assert "gates.toml" in str(e.value) and "garbage_greedy_maxx" in str(e.value)
+
+
+def test_unknown_battery_lists_the_known_ones():
+    with pytest.raises(suite.SuiteError, match="choose one of: offline, online, tiny"):
+        suite.resolve("nope")
+
+
+def test_offline_sets_are_pinned_and_say_where_they_come_from():
+    for name, src in suite.resolve("offline").sets.items():
+        text = load_text(name, src)
+        assert len(text.text) > 20000 and len(text.sha256) == 64
+        assert ("stdlib" in text.origin) or ("corpus" in text.origin and "seed=1001" in text.origin)
+
+
+def test_a_changed_pinned_source_is_an_error():
+    src = suite.resolve("offline").sets["pydoc-topics"]
+    if src.python != sys.version.split()[0]:
+        pytest.skip("the pin is for another Python patch release")
+    bad = src.model_copy(update={"sha256": "0" * 64})
+    with pytest.raises(suite.SuiteError, match="sha256"):
+        load_text("pydoc-topics", bad)
+
+
+def test_shipped_arithmetic_task_equals_its_generator():
+    assert (paths.QUALITY / "lmeval" / "arith-test.jsonl").read_text() == lmeval.problems(2024, 100)
+    assert (paths.QUALITY / "lmeval" / "arith-train.jsonl").read_text() == lmeval.problems(2023, 8)
+    for line in lmeval.problems(5, 30).splitlines():
+        row = json.loads(line)
+        steps, answer = row["answer"].split("\n#### ")
+        assert str(eval(steps.split("=")[-1].strip(" ."))) == answer  # noqa: S307 - our own arithmetic
+
+
+def test_lm_eval_accepts_the_shipped_task_yaml():
+    r = subprocess.run([sys.executable, "-m", "lm_eval", "validate", "--tasks", "rig_arith",
+                        "--include_path", str(paths.QUALITY / "lmeval")], cwd=paths.ROOT, capture_output=True,
+                       text=True, env={**paths.cache_env(), "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+# ---- garbage detector --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,kind", [
+    ("", "empty"),
+    ("   \n\t", "empty"),
+    ("Paris!!!!!!", "char-run"),
+    ("aaaaaaaaaaaaaaaaaaaa", "char-run"),
+    ("Paris is the capital \ufffd\ufffd of France.", "broken-utf8"),
+    ("Paris\x00\x01 is the capital", "broken-utf8"),
+    ("Paris is nice. " + "the the cat sat on " * 6, "loop"),
+    ("The capital is Paris. I think I think I think I think I think I think I think", "loop"),
+])
+def test_garbage_is_flagged(text, kind):
+    assert kind in [f.kind for f in garbage.check(text, ["Paris"])]
+
+
+@pytest.mark.parametrize("text", [
+    "The capital of France is Paris.",
+    "def total(values):\n    return sum(values)\n",
+    "Paris.\n\n---\n\n| a | b |\n|---|---|\n| 1 | 2 |",
+    "Die Hauptstadt ist Paris, und der Zug fährt um acht.",
+    "Wow, Paris!!! Lovely.",
+])
+def test_real_answers_are_clean(text):
+    assert garbage.check(text, ["Paris", "def "]) == []
+
+
+def test_an_answer_that_ignores_the_prompt_is_flagged():
+    assert [f.kind for f in garbage.check("Lisbon has a bridge.", ["Oslo"])] == ["ignores-prompt"]
+    assert garbage.check("Lisbon has a bridge.") == []
+    assert garbage.flagged(["ok answer", "", "!!!!!!!!"]) == 2
+
+
+# ---- tool-call parsing, digest -----------------------------------------------------------------
+
+
+def test_tool_call_check():
+    good = {"tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+    assert check_message(good, "get_weather", ["city"]) == []
+    leaked = {"content": "<tool_call>\n<function=get_weather>", "tool_calls": []}
+    assert "wrong TOOL_PARSER" in check_message(leaked, "get_weather", [])[0]
+    bad_json = {"tool_calls": [{"function": {"name": "get_weather", "arguments": "{city"}}]}
+    assert "not JSON" in check_message(bad_json, "get_weather", [])[0]
+    missing = {"tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}
+    assert len(check_message(missing, "get_weather", ["city"])) == 2
+
+
+def test_digest_is_stable_and_sensitive():
+    assert digest(["a", "b"], ["x", "y"]) == digest(["a", "b"], ["x", "y"])
+    assert digest(["a", "b"], ["x", "y"]) != digest(["a", "b"], ["x", "y "])
+
+
+# ---- refusal from /metrics ---------------------------------------------------------------------
+
+METRICS = ('# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
+           'vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="%s",engine="0",'
+           'gpu_memory_utilization="%s",mamba_cache_mode="none"} 1.0\n')
+
+
+def test_refusals():
+    needs = requirements.Needs(prefix_caching=False, max_gpu_util=0.93)
+    assert requirements.refusals(METRICS % ("False", "0.93"), needs) == []
+    assert requirements.refusals(METRICS % ("False", "0.3"), needs) == []
+    [why] = requirements.refusals(METRICS % ("True", "0.93"), needs)
+    assert "enable_prefix_caching=True" in why and "quality overlay" in why
+    [why] = requirements.refusals(METRICS % ("False", "0.972"), needs)
+    assert "gpu_memory_utilization=0.972" in why and "<= 0.93" in why
+    assert "cache_config_info" in requirements.refusals("vllm:num_requests_running 0\n", needs)[0]
+
+
+def test_needs_come_from_the_quality_overlay():
+    from rig.plan import resolve
+
+    needs = requirements.Needs.of_overlay()
+    assert needs == requirements.Needs(prefix_caching=False, max_gpu_util=0.93)
+    assert requirements.plan_refusals(resolve("batch", ["quality"], "gpu", environ={}), needs) == []
+    plain = resolve("batch", [], "gpu", environ={})
+    assert "GPU_UTIL=0.972" in requirements.plan_refusals(plain, needs)[0]  # a plain batch plan on a GPU
+    cached = resolve("batch", ["quality"], "cpu", environ={}, sets={"PREFIX_CACHE": "1"})
+    assert "PREFIX_CACHE=1 (from --set)" in requirements.plan_refusals(cached, needs)[0]
+
+
+def test_battery_refuses_a_plan_that_undoes_the_overlay_before_starting(tmp_path):
+    from rig.plan import resolve
+    from rig.quality import battery
+
+    plan = resolve("batch", ["quality"], "cpu", environ={}, sets={"PREFIX_CACHE": "1"})
+    with pytest.raises(battery.QualityError, match="refusing to start"):
+        battery.run(plan, "tiny-quick", results_root=tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written
+
+
+# ---- gates -------------------------------------------------------------------------------------
+
+
+def _result(ppl: float, score: float = 50.0, greedy_flagged: int = 0, sampled_flagged: int = 0) -> dict:
+    return {
+        "battery": "tiny", "lmeval": {"task": "rig_arith", "limit": 8, "score": score},
+        "perplexity": {"overall": ppl, "domains": {"english": ppl}, "sets": [{"name": "s", "sha256": "h"}]},
+        "garbage": {"greedy": {"total": 5, "flagged": greedy_flagged}, "sampled": {"total": 10,
+                                                                                   "flagged": sampled_flagged}},
+        "toolcall": {"passed": 3, "total": 3},
+    }
+
+
+GATES = suite.gates_for("batch")
+
+
+def _verdicts(result, ref=None, is_ref=False) -> dict[str, bool]:
+    return {g.name: g.passed for g in gates.judge(result, GATES, ref, is_ref)}
+
+
+def test_relative_gates_follow_the_thresholds():
+    ref = _result(10.0, 60.0)
+    assert all(_verdicts(_result(10.4, 58.5), ref).values())  # +4.0 %, -1.5 points
+    v = _verdicts(_result(10.5, 57.0), ref)  # +5.0 %, -3 points
+    assert not v["ppl.overall.relative"] and not v["lmeval.score"]
+    assert v["ppl.overall.absolute"]
+
+
+def test_int8_rows_of_the_reference_pass_and_worse_fails():
+    ref = _result(7.0)
+    assert _verdicts(_result(7.0 * 1.022), ref)["ppl.overall.relative"]
+    assert _verdicts(_result(7.0 * 1.037), ref)["ppl.overall.relative"]
+    assert not _verdicts(_result(7.0 * 1.05), ref)["ppl.overall.relative"]
+
+
+def test_no_reference_fails_unless_this_run_is_the_reference():
+    v = _verdicts(_result(5.0))
+    assert not v["ppl.overall.relative"] and not v["lmeval.score"]
+    assert all(_verdicts(_result(5.0), is_ref=True).values())
+
+
+def test_absolute_gates():
+    v = _verdicts(_result(2000.0, greedy_flagged=1, sampled_flagged=2), is_ref=True)
+    assert not v["ppl.overall.absolute"] and not v["garbage.greedy"] and not v["garbage.sampled"]
+    assert _verdicts(_result(5.0, sampled_flagged=1), is_ref=True)["garbage.sampled"]  # 10 % allowed
+
+
+def test_a_reference_on_other_text_is_refused():
+    ref = _result(10.0)
+    ref["perplexity"]["sets"] = [{"name": "s", "sha256": "other"}]
+    with pytest.raises(gates.ReferenceMismatch, match="perplexity sets"):
+        gates.check_reference(_result(10.0), ref)
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def _full(ppl=5.0) -> dict:
+    r = _result(ppl)
+    r.update(utc="2026-12-02T10:00:00Z", profile="batch", platform="cpu", model={"name": "m"},
+             digest={"digest": "ab" * 32, "prompts": 4, "max_tokens": 32})
+    r["perplexity"]["sets"] = [{"name": "s", "domain": "english", "windows": 4, "tokens": 1196, "ppl": ppl,
+                                "origin": "corpus", "sha256": "h" * 64}]
+    judged = gates.judge(r, GATES, None, is_ref=True)
+    r.update(gates=[g.to_json() for g in judged], passed=True, summary="every gate passed")
+    return r
+
+
+def test_docs_section_is_replaced_between_markers(tmp_path):
+    doc = tmp_path / "quality.md"
+    doc.write_text(f"# Quality\n\nintro\n\n{report.BEGIN}\nold\n{report.END}\n\nafter\n")
+    report.update_docs(_full(5.0), doc)
+    report.update_docs(_full(6.0), doc)
+    text = doc.read_text()
+    assert text.count(report.BEGIN) == 1 and "old" not in text and "intro" in text and "after" in text
+    assert "| ppl.overall.absolute | 6 |" in text
+
+
+def test_result_json_is_written_atomically(tmp_path):
+    path = report.save(_full(), tmp_path)
+    assert path.parent.name == "quality-20261202T100000Z-batch"
+    assert json.loads(path.read_text())["passed"] is True
+    assert [p.name for p in path.parent.iterdir()] == ["result.json"]  # no .partial left behind
+
+
+# ---- the CLI refuses bad input before anything starts ------------------------------------------
+
+
+def test_cli_bad_suite_and_set(tmp_path):
+    from invoke import Context, Exit
+
+    from rig.cli.quality import quality
+
+    with pytest.raises(Exit) as e:
+        quality(Context(), suite="nope", platform="cpu", set=[f"API_KEY_FILE={tmp_path}/k"], docs=False)
+    assert e.value.code == 2 and "choose one of" in str(e.value.message)
+    with pytest.raises(Exit) as e:
+        quality(Context(), platform="cpu", set=["GPU_UTIL"], docs=False)
+    assert e.value.code == 2 and "KNOB=value" in str(e.value.message)
+    with pytest.raises(Exit) as e:
+        quality(Context(), platform="cpu", url="http://127.0.0.1:9", key_file=str(tmp_path / "none"), docs=False)
+    assert e.value.code == 2 and "no such file" in str(e.value.message)
