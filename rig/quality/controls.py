@@ -1,0 +1,317 @@
+"""The battery's controls: a tiny model rig trains on CPU (positive) and a crudely degraded copy of it.
+
+A gate that has never failed proves nothing, and one that has never passed proves nothing either.
+The random-weight tiny model (``rig.models.tiny``) is the negative control. This module trains a
+tiny model — in a couple of minutes on two cores — until it writes coherent text in one small
+domain (the templated English / German / Python of ``rig.models.corpus``), answers each kind of
+request (a city, German, Python) in its kind, and calls a tool in the Qwen XML format when tools are
+offered. ``degrade`` makes a copy with perturbed weights that the relative perplexity gate must catch.
+
+Architecture: dense ``Qwen3ForCausalLM``, not the hybrid. ``python -m rig.quality.controls --measure``
+times a forward+backward step at the recipe's width for both: on this 2-core host it printed 1.73 s
+(dense) vs 7.18 s (hybrid), then 3.63 s vs 8.40 s, for 8 x 192 tokens — transformers runs Gated
+DeltaNet through its reference PyTorch path without flash-linear-attention. At 2-4x the step time the
+hybrid would not learn the task in the few-minute budget. vLLM serves the dense model through the same
+engine, endpoints, parsers and chat template, which is what the battery checks.
+
+Deterministic: a fixed seed, ``torch.use_deterministic_algorithms``, two threads; the result is
+cached under ``models_dir()/trained-<hash of the recipe>`` and verified by the manifest's sha256s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rig import paths
+from rig.models import corpus, tiny
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "the city"}},
+            "required": ["city"],
+        },
+    },
+}
+THINK_OFF = "<think>\n\n</think>\n\n"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that determines the trained model's bytes (its hash names the cache folder)."""
+
+    seed: int = 7
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    documents: int = 6000
+    seq_len: int = 192
+    batch: int = 8
+    steps: int = 200
+    lr: float = 4e-3
+    warmup: int = 5
+    threads: int = 2
+    version: int = 1
+
+    @property
+    def name(self) -> str:
+        """Hash of the numbers above and of the code that makes the data and trains: change either, retrain."""
+        blob = json.dumps(asdict(self), sort_keys=True) + _code_digest()
+        return f"trained-dense-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+
+    def spec(self) -> tiny.TinySpec:
+        return tiny.TinySpec(arch="dense", seed=self.seed, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                             intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+                             num_attention_heads=self.num_attention_heads,
+                             num_key_value_heads=self.num_key_value_heads, mtp_layers=0)
+
+
+RECIPE = Recipe()
+
+
+def _code_digest() -> str:
+    """sha256 of what shapes the weights besides the Recipe: data, tokenizer, template, training loop."""
+    import inspect
+
+    parts = [inspect.getsource(corpus), tiny.TEMPLATE.read_text(),
+             json.dumps([WEATHER_TOOL, THINK_OFF, ASK_GERMAN, ASK_CODE], sort_keys=True)]
+    parts += [inspect.getsource(f) for f in (_about, _chat, chats, documents, _bpe, _wrap, tokenizer_and_docs,
+                                             _rows, train)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _about(rng: random.Random, place: str) -> str:
+    """An English sentence of the corpus's templates about ``place``."""
+    line = corpus.english(rng)
+    for p in corpus.PLACES:
+        line = line.replace(p, place)
+    return line
+
+
+ASK_GERMAN = ["Schreib bitte einen Satz auf Deutsch.", "Einen Satz auf Deutsch, bitte.", "Sag etwas auf Deutsch."]
+ASK_CODE = ["Write a Python function, please.", "Show me some Python code.", "Write a small Python function."]
+
+
+def _chat(user: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": THINK_OFF + answer}]
+
+
+def chats(rng: random.Random) -> list[tuple[list[dict], list | None]]:
+    """The conversation shapes the model learns: three kinds of request, each answered in its own kind
+    (English about a city, German, Python), and a tool call when a tool is offered."""
+    place = rng.choice(corpus.PLACES)
+    call = {"function": {"name": "get_weather", "arguments": {"city": place}}}
+    weather = [{"role": "user", "content": f"What is the weather in {place}?"},
+               {"role": "assistant", "content": THINK_OFF, "tool_calls": [call]}]
+    return [
+        (_chat(f"What is there to see in {place}?", _about(rng, place)), None),
+        (_chat(rng.choice(ASK_GERMAN), corpus.german(rng)), None),
+        (_chat(rng.choice(ASK_CODE), corpus.python_code(rng).rstrip("\n")), None),
+        (weather, [WEATHER_TOOL]),
+    ]
+
+
+def documents(recipe: Recipe, render) -> list[str]:
+    """The training documents: corpus text of the three domains and rendered chats (``render``)."""
+    rng = random.Random(recipe.seed)
+    docs: list[str] = []
+    while len(docs) < recipe.documents:
+        docs.append(" ".join(corpus.english(rng) for _ in range(3)))
+        docs.append(" ".join(corpus.german(rng) for _ in range(3)))
+        docs.append(corpus.python_code(rng) + corpus.python_code(rng))
+        docs += [render(messages, tools) for messages, tools in chats(rng)]
+    return docs[: recipe.documents]
+
+
+def _bpe(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(tiny.SPECIAL) - len(tiny.MARKUP),
+                                  special_tokens=tiny.SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def _wrap(tok):
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token=None, model_max_length=32768)
+    fast.add_tokens(tiny.MARKUP)
+    fast.chat_template = tiny.TEMPLATE.read_text()
+    return fast
+
+
+def tokenizer_and_docs(recipe: Recipe):
+    """A BPE trained on the documents themselves (two passes: plain text, then with rendered chats)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    plain = corpus.generate(recipe.seed, lines_per_domain=500).splitlines()
+    first = _wrap(_bpe(plain, recipe.vocab_size))
+
+    def render(messages, tools):
+        return first.apply_chat_template(messages, tools=tools, tokenize=False)
+
+    docs = documents(recipe, render)
+    return _wrap(_bpe(docs, recipe.vocab_size)), docs
+
+
+def _rows(fast, docs: list[str], seq_len: int, rng: random.Random):
+    """Whole documents packed into rows of seq_len tokens (never split: a tool call must see its
+    prompt); the tail of a row is padding that the loss ignores. Returns (input_ids, labels)."""
+    import torch
+
+    sep = fast.convert_tokens_to_ids("<|endoftext|>")
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    rows: list[list[int]] = [[]]
+    for i in order:
+        ids = (fast(docs[i])["input_ids"] + [sep])[:seq_len]
+        if len(rows[-1]) + len(ids) > seq_len:
+            rows.append([])
+        rows[-1] += ids
+    x = torch.full((len(rows), seq_len), sep, dtype=torch.long)
+    y = torch.full((len(rows), seq_len), -100, dtype=torch.long)
+    for r, ids in enumerate(rows):
+        x[r, : len(ids)] = torch.tensor(ids)
+        y[r, : len(ids)] = torch.tensor(ids)
+    return x, y
+
+
+def train(recipe: Recipe = RECIPE, log=print) -> tuple[dict, object, dict, dict]:
+    """Train; returns (config, tokenizer, float32 state dict). Logs loss and time as it goes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.set_num_threads(recipe.threads)
+    torch.manual_seed(recipe.seed)
+    torch.use_deterministic_algorithms(True)
+    fast, docs = tokenizer_and_docs(recipe)
+    ids = {t: fast.convert_tokens_to_ids(t) for t in tiny.SPECIAL}
+    config = tiny._dense_config(recipe.spec(), ids)
+    base = {k: v for k, v in config.items() if k not in ("torch_dtype", "dtype")}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**base), dtype=torch.float32)
+    x, y = _rows(fast, docs, recipe.seq_len, random.Random(recipe.seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(recipe.seed)
+    start = time.monotonic()
+    for step in range(recipe.steps):
+        lr = recipe.lr * min(1.0, (step + 1) / recipe.warmup) * 0.5 * (1 + math.cos(math.pi * step / recipe.steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        pick = torch.randint(0, x.shape[0], (recipe.batch,), generator=gen)
+        loss = model(input_ids=x[pick], labels=y[pick]).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 25 == 0 or step == recipe.steps - 1:
+            log(f"train step {step:4d}  loss {loss.item():.3f}  {time.monotonic() - start:6.1f} s")
+    stats = {"final_loss": round(loss.item(), 4), "train_seconds": round(time.monotonic() - start, 1),
+             "rows": int(x.shape[0])}
+    return config, fast, {k: v.detach().contiguous() for k, v in model.state_dict().items()}, stats
+
+
+def _save(dest: Path, config: dict, fast, state: dict, extra: dict) -> Path:
+    """Write a servable folder atomically (built aside, renamed) with a sha256 manifest."""
+    import torch
+    from safetensors.torch import save_file
+
+    work = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    fast.save_pretrained(work)
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(state.items())}
+    save_file(state, str(work / "model.safetensors"), metadata={"format": "pt"})
+    (work / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (work / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+         "pad_token_id": config["pad_token_id"]}, indent=2, sort_keys=True) + "\n")
+    files = {p.name: tiny._sha256(p) for p in sorted(work.iterdir()) if p.is_file()}
+    (work / tiny.MANIFEST).write_text(json.dumps({**extra, "files": files}, indent=2, sort_keys=True) + "\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    work.rename(dest)
+    return dest
+
+
+def trained(recipe: Recipe = RECIPE, log=print) -> Path:
+    """The trained model's folder: cached by the recipe's hash, trained (~2-3 min) when absent."""
+    dest = paths.models_dir() / recipe.name
+    if dest.exists() and tiny.verify(dest):
+        return dest
+    config, fast, state, stats = train(recipe, log)
+    return _save(dest, config, fast, state, {"recipe": asdict(recipe), "training": stats})
+
+
+def degrade(src: Path, noise: float = 1.0, seed: int = 0) -> Path:
+    """A copy of ``src`` with every linear layer's weights perturbed: Gaussian noise of ``noise`` x the
+    tensor's own standard deviation, seeded (cached next to it). The trained model shrugs off 0.5 (its
+    perplexity moved +0.3% in vLLM); at 1.0 it is clearly worse, yet far from the random model: the
+    relative gate is what must catch it."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    dest = src.with_name(f"{src.name}-noise{noise}-s{seed}")
+    if dest.exists() and tiny.verify(dest):
+        return dest
+    gen = torch.Generator().manual_seed(seed)
+    state = load_file(str(src / "model.safetensors"))
+    out = {}
+    for k in sorted(state):
+        w = state[k].float()
+        out[k] = w + noise * w.std() * torch.randn(w.shape, generator=gen) if k.endswith("proj.weight") else w
+    config = json.loads((src / "config.json").read_text())
+    how = f"gaussian noise {noise} x std per linear weight, seed {seed}"
+    return _save(dest, config, AutoTokenizer.from_pretrained(src), out, {"degraded_from": src.name, "degradation": how})
+
+
+def _measure(steps: int = 3) -> None:
+    """Seconds per training step, hybrid vs dense, at the recipe's width (the architecture decision)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.set_num_threads(RECIPE.threads)
+    for arch in ("dense", "hybrid"):
+        spec = tiny.TinySpec(arch=arch, hidden_size=RECIPE.hidden_size, intermediate_size=RECIPE.intermediate_size,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                             vocab_size=RECIPE.vocab_size, mtp_layers=0)
+        ids = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+        cfg = (tiny._hybrid_config if arch == "hybrid" else tiny._dense_config)(spec, ids)
+        cfg = {k: v for k, v in cfg.items() if k not in ("mtp_num_hidden_layers", "torch_dtype", "dtype")}
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
+        x = torch.randint(0, RECIPE.vocab_size, (RECIPE.batch, RECIPE.seq_len))
+        times = []
+        for _ in range(steps):
+            t = time.monotonic()
+            model(input_ids=x, labels=x).loss.backward()
+            times.append(time.monotonic() - t)
+        print(f"{arch}: 4 layers, {RECIPE.batch}x{RECIPE.seq_len} tokens: "
+              f"{min(times):.2f} s per step (best of {steps})")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--measure" in sys.argv:
+        _measure()
+    else:
+        print(trained())
