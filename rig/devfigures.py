@@ -62,14 +62,15 @@ def run_measured(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, f
     return code, time.monotonic() - start, peak
 
 
-def install_time(work: Path) -> float:
+def install_time(work: Path) -> tuple[float, Path, dict[str, str]]:
+    """Seconds for a fresh clone's first `bootstrap.py` (empty venv, empty pip cache); the clone and its env."""
     clone = fresh_clone(work / "clone")
     env = {**os.environ, "RIG_VENV": str(work / "venv"), "RIG_STATE_DIR": str(work / "state"),
            "PIP_CACHE_DIR": str(work / "pip-cache")}
     code, wall, _ = run_measured([sys.executable, "bootstrap.py", "--list"], clone, env)
     if code:
         raise RuntimeError(f"fresh-clone install failed (exit {code})")
-    return wall
+    return wall, clone, env
 
 
 def time_to_ready(state: Path) -> float:
@@ -91,23 +92,26 @@ def time_to_ready(state: Path) -> float:
         os.environ.pop("RIG_STATE_DIR", None)
 
 
-def suite(clone: Path | None = None) -> tuple[int, float, int]:
-    """The README's test command in a fresh clone (its own venv from the install measurement)."""
-    clone = clone or paths.ROOT
-    return run_measured([sys.executable, "bootstrap.py", "test"], clone, {**os.environ})
+def suite(clone: Path, env: dict[str, str]) -> tuple[int, float, int]:
+    """The README's test command: (exit code, wall seconds, peak RSS of its whole process tree)."""
+    return run_measured([sys.executable, "bootstrap.py", "test"], clone, env)
 
 
 def main(which: str = "install,serve,suite") -> None:
     parts = set(which.split(","))
+    paths.state_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=paths.state_dir()) as tmp:
         work = Path(tmp)
+        clone, env = paths.ROOT, dict(os.environ)
         if "install" in parts:
-            print(f"fresh-clone install (empty venv, empty pip cache): {install_time(work):.0f} s", flush=True)
+            wall, clone, env = install_time(work)
+            print(f"fresh-clone install (empty venv, empty pip cache): {wall:.0f} s", flush=True)
         if "serve" in parts:
             state = work / "serve-state"
             print(f"serve-batch on CPU, time to ready, cold compile cache: {time_to_ready(state):.0f} s", flush=True)
             print(f"serve-batch on CPU, time to ready, warm compile cache: {time_to_ready(state):.0f} s", flush=True)
         if "suite" in parts:
-            code, wall, peak = suite()
-            print(f"test suite (python3 bootstrap.py test): {wall / 60:.1f} min, exit {code}, "
+            code, wall, peak = suite(clone, env)
+            where = "the fresh clone" if clone != paths.ROOT else "this checkout"
+            print(f"test suite (python3 bootstrap.py test, {where}): {wall / 60:.1f} min, exit {code}, "
                   f"peak RSS of the whole process tree {peak / 2**30:.1f} GiB", flush=True)

@@ -6,6 +6,8 @@ import sys
 
 from invoke import Collection, Exit, task
 
+from rig.cli.common import parse_sets
+
 # The reference's table order; other protocol files follow, sorted.
 ORDER = ("throughput", "cohort", "prefill", "raw", "shared-prefix", "long")
 
@@ -24,16 +26,6 @@ RUN_HELP = {
 
 def _fail(msg: str, code: int = 2) -> Exit:
     return Exit("\n".join(f"rig: error: {m}" for m in msg.splitlines()), code=code)
-
-
-def _sets(items: list[str] | None) -> dict[str, str]:
-    sets = {}
-    for item in items or []:
-        if "=" not in item:
-            raise _fail(f"--set {item!r}: expected KNOB=value, e.g. --set PREFIX_CACHE=1")
-        k, v = item.split("=", 1)
-        sets[k.strip()] = v.strip()
-    return sets
 
 
 def _scale(text: str) -> float | None:
@@ -100,7 +92,7 @@ def run(c, protocol=None, profile="batch", overlay=None, set=None, platform="", 
     from rig.serve import PreflightError
     from rig.server import ServerError
 
-    sets = _sets(set)
+    sets = parse_sets(set)
     if int(repeat) < 1:
         raise _fail(f"--repeat {repeat}: expected an integer >= 1 (kept passes per cell)")
     factor = _scale(scale)

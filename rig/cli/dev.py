@@ -26,9 +26,9 @@ def test(c, args="", fast=False):
 def verify(c, profile="batch", overlay=None, set=None, no_live=False):
     """Check install, pins, patches, model and a live server; exit 1 on the first failure."""
     from rig import verify as v
-    from rig.cli.serve import _plan
+    from rig.cli.common import plan_from_args
 
-    if not v.run(_plan(profile, overlay, set, ""), live=not no_live):
+    if not v.run(plan_from_args(profile, overlay, set, ""), live=not no_live):
         raise Exit(code=1)
 
 

@@ -24,19 +24,9 @@ HELP = {
 
 def quality_plan(profile: str, overlay: list[str] | None, set: list[str] | None, platform: str):
     """The plan the battery serves: the profile with the given overlays, then `quality`."""
-    from rig.plan import PlanError, resolve
+    from rig.cli.common import plan_from_args
 
-    sets = {}
-    for item in set or []:
-        if "=" not in item:
-            raise Exit(f"rig: error: --set {item!r}: expected KNOB=value, e.g. --set INT8_ACT=", code=2)
-        k, v = item.split("=", 1)
-        sets[k.strip()] = v.strip()
-    overlays = [o for o in overlay or [] if o != "quality"] + ["quality"]
-    try:
-        return resolve(profile, overlays, platform or None, sets=sets)
-    except PlanError as e:
-        raise Exit("\n".join(f"rig: error: {m}" for m in e.messages), code=2) from None
+    return plan_from_args(profile, [o for o in overlay or [] if o != "quality"] + ["quality"], set, platform)
 
 
 def _key(plan, key_file: str) -> str | None:

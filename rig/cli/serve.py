@@ -6,6 +6,8 @@ import sys
 
 from invoke import Exit, task
 
+from rig.cli.common import plan_from_args
+
 HELP = {
     "profile": "profile name (profiles/*.toml): batch, single-user, kvarn",
     "overlay": "overlay to apply (profiles/overlays/*.toml), repeatable, in order: tp2, quality, multinode, ...",
@@ -16,28 +18,13 @@ HELP = {
 }
 
 
-def _plan(profile, overlay, set, platform):
-    from rig.plan import PlanError, resolve
-
-    sets = {}
-    for item in set or []:
-        if "=" not in item:
-            raise Exit(f"rig: error: --set {item!r}: expected KNOB=value, e.g. --set PREFIX_CACHE=1", code=2)
-        k, v = item.split("=", 1)
-        sets[k.strip()] = v.strip()
-    try:
-        return resolve(profile, overlay or [], platform or None, sets=sets)
-    except PlanError as e:
-        raise Exit("\n".join(f"rig: error: {m}" for m in e.messages), code=2) from None
-
-
 @task(iterable=["overlay", "set"], help=HELP)
 def serve(c, profile="batch", overlay=None, set=None, platform="", dry_run=False, json=False):
     """Serve a profile: preflight, start vllm serve, prove it answers, stay up until Ctrl-C."""
     from rig import planview
     from rig.plan import PlanError, check_with_vllm
 
-    plan = _plan(profile, overlay, set, platform)
+    plan = plan_from_args(profile, overlay, set, platform)
     if dry_run:
         try:
             check_with_vllm(plan.argv)
@@ -61,7 +48,7 @@ def service(c, profile="batch", overlay=None, set=None, platform="", out=".rig/s
     from rig import paths
     from rig.service import write
 
-    plan = _plan(profile, overlay, set, platform)
+    plan = plan_from_args(profile, overlay, set, platform)
     folder = Path(out) if Path(out).is_absolute() else paths.ROOT / out
     for path in write(plan, folder):
         print(f"wrote {path}")
