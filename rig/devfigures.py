@@ -41,10 +41,11 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def run_measured(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, float, int]:
-    """(exit code, wall seconds, peak RSS bytes of the whole process tree)."""
+def run_measured(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> tuple[int, float, int]:
+    """(exit code, wall seconds, peak RSS bytes of the whole process tree); output goes to ``log``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     peak = 0
     done = threading.Event()
 
@@ -67,7 +68,8 @@ def install_time(work: Path) -> tuple[float, Path, dict[str, str]]:
     clone = fresh_clone(work / "clone")
     env = {**os.environ, "RIG_VENV": str(work / "venv"), "RIG_STATE_DIR": str(work / "state"),
            "PIP_CACHE_DIR": str(work / "pip-cache")}
-    code, wall, _ = run_measured([sys.executable, "bootstrap.py", "--list"], clone, env)
+    code, wall, _ = run_measured([sys.executable, "bootstrap.py", "--list"], clone, env,
+                                 paths.logs_dir() / "figures-install.log")
     if code:
         raise RuntimeError(f"fresh-clone install failed (exit {code})")
     return wall, clone, env
@@ -94,7 +96,7 @@ def time_to_ready(state: Path) -> float:
 
 def suite(clone: Path, env: dict[str, str]) -> tuple[int, float, int]:
     """The README's test command: (exit code, wall seconds, peak RSS of its whole process tree)."""
-    return run_measured([sys.executable, "bootstrap.py", "test"], clone, env)
+    return run_measured([sys.executable, "bootstrap.py", "test"], clone, env, paths.logs_dir() / "figures-suite.log")
 
 
 def main(which: str = "install,serve,suite") -> None:
