@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -73,7 +74,7 @@ class Side:
 def serve_argv(model: Path, port: int, num_blocks: int, chunk: int, max_seqs: int) -> list[str]:
     """The CPU serve line for the tiny hybrid model with prefix caching and a small pool."""
     return [
-        str(paths.ROOT / ".venv" / "bin" / "vllm"), "serve", str(model),
+        str(Path(sys.executable).with_name("vllm")), "serve", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
         "--max-model-len", "2048", "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", str(chunk),
         "--gpu-memory-utilization", "0.1", "--mamba-ssm-cache-dtype", "float32", "--block-size", "32",

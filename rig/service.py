@@ -9,6 +9,7 @@ serve's preflight, API-key handling and whole-tree shutdown.
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 
 import yaml
@@ -33,7 +34,7 @@ def serve_args(plan: Plan, host: str | None = None) -> list[str]:
 
 def systemd_unit(plan: Plan, root: Path = paths.ROOT) -> str:
     """A user unit (~/.config/systemd/user/rig-<profile>.service)."""
-    inv = root / ".venv" / "bin" / "inv"
+    inv = Path(sys.executable).with_name("inv")  # the environment serving now (.venv or pixi's)
     return "\n".join([
         "[Unit]",
         f"Description=rig: vLLM {plan.profile} profile ({plan.served_name})",

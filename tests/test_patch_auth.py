@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import secrets
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -38,7 +40,8 @@ def server(tiny_model, tmp_path_factory) -> Iterator[VllmServer]:
     patches.ensure_applied()
     key = secrets.token_hex(16)
     port = free_port()
-    argv = [str(paths.ROOT / ".venv/bin/vllm"), "serve", str(tiny_model), "--host", "127.0.0.1", "--port", str(port),
+    argv = [str(Path(sys.executable).with_name("vllm")), "serve", str(tiny_model), "--host", "127.0.0.1",
+            "--port", str(port),
             "--served-model-name", "tiny", "--max-model-len", "2048", "--max-num-seqs", "4",
             "--gpu-memory-utilization", "0.1", "--mamba-ssm-cache-dtype", "float32", "--block-size", "32",
             "--enforce-eager", "--api-key", key]

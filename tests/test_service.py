@@ -23,7 +23,7 @@ def test_unit_and_compose_come_from_the_plan(tmp_path):
     unit.optionxform = str
     unit.read_string(unit_path.read_text())
     argv = shlex.split(unit["Service"]["ExecStart"])
-    assert argv[0] == str(paths.ROOT / ".venv" / "bin" / "inv")
+    assert argv[0] == str(Path(sys.executable).with_name("inv"))
     assert argv[1:5] == ["serve", "--profile", "single-user", "--platform"]
     assert unit["Service"]["KillMode"] == "control-group" and unit["Install"]["WantedBy"] == "default.target"
     # the unit's arguments resolve to the very same plan, with no environment
