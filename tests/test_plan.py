@@ -26,6 +26,13 @@ CASES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _default_state_dir(monkeypatch):
+    """Golden plans describe the default layout (.rig/ in the checkout), whatever this shell moved."""
+    monkeypatch.delenv("RIG_STATE_DIR", raising=False)
+    monkeypatch.delenv("RIG_MODELS_DIR", raising=False)
+
+
 def case_id(profile: str, overlays: tuple[str, ...], platform: str) -> str:
     return "__".join([profile, *overlays, platform])
 
@@ -47,8 +54,9 @@ def test_golden_plans_cover_exactly_the_cases():
 def test_same_inputs_give_byte_identical_plans_in_a_fresh_process():
     code = ("from rig.plan import resolve; import sys; "
             "sys.stdout.write(resolve('single-user', ('tp2',), 'gpu', environ={}).to_json())")
+    env = {k: v for k, v in os.environ.items() if k not in ("RIG_STATE_DIR", "RIG_MODELS_DIR")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd="/", env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
+                         cwd="/", env={**env, "PYTHONHASHSEED": "12345"}).stdout
     assert out == resolve("single-user", ("tp2",), "gpu", environ={}).to_json()
 
 
