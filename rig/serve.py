@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from rig import paths
-from rig.plan import Plan, PlanError
+from rig.plan import LOOPBACK, Plan, PlanError
 from rig.server import ServerError, VllmServer, log_tail, port_in_use
 
 
@@ -127,6 +127,11 @@ def check_kernels(plan: Plan) -> None:
                              f"build of them yet); choose KV=fp8 / PREFILL_ATTN=auto")
 
 
+def connect_host(plan: Plan) -> str:
+    """Where we reach the server: its HOST, or loopback when it binds every interface."""
+    return "127.0.0.1" if plan.knobs["HOST"] in ("0.0.0.0", "::") else plan.knobs["HOST"]
+
+
 def preflight(plan: Plan) -> tuple[Device, Path, Path, str]:
     """Every check that needs no server: (device, model folder, key path, key)."""
     from rig.plan import check_with_vllm
@@ -136,7 +141,7 @@ def preflight(plan: Plan) -> tuple[Device, Path, Path, str]:
     dev = probe_device(plan)
     check_patches(plan)
     port = plan.knobs["PORT"]
-    if port_in_use(port, "127.0.0.1" if plan.knobs["HOST"] in ("0.0.0.0", "::") else plan.knobs["HOST"]):
+    if port_in_use(port, connect_host(plan)):
         raise PreflightError(f"PORT={port} is in use: stop what listens there or set PORT to a free port")
     model = ensure_model(plan)
     key_path, key = ensure_api_key(plan)
@@ -147,8 +152,7 @@ def server_for(plan: Plan, key: str, log_path: Path, echo: bool = False) -> Vllm
     """A VllmServer for a plan: the venv's vllm, caches in the project, the key in the environment."""
     argv = [str(Path(sys.executable).with_name("vllm")), *plan.argv[1:]]
     env = {**paths.cache_env(), **plan.env, "VLLM_API_KEY": key}
-    host = "127.0.0.1" if plan.knobs["HOST"] in ("0.0.0.0", "::") else plan.knobs["HOST"]
-    return VllmServer(argv=argv, env=env, log_path=log_path, host=host, port=plan.knobs["PORT"],
+    return VllmServer(argv=argv, env=env, log_path=log_path, host=connect_host(plan), port=plan.knobs["PORT"],
                       api_key=key, served_name=plan.served_name, echo=echo)
 
 
@@ -208,7 +212,7 @@ def run_foreground(plan: Plan) -> int:
         key_file = Path(plan.api_key_file)
         print(f"\nrig: ready — {server.url}/v1  model: {plan.served_name}  API key: {key_file} (mode 0600)\n"
               f"rig: log: {server.log_path}   stop: Ctrl-C", flush=True)
-        if plan.knobs["HOST"] not in ("127.0.0.1", "localhost", "::1"):
+        if plan.knobs["HOST"] not in LOOPBACK:
             print(f"rig: listening on {plan.knobs['HOST']}: reachable from the network, API key required", flush=True)
         while server.alive():
             time.sleep(0.5)
