@@ -62,6 +62,9 @@ class VllmServer:
     api_key: str | None = None
     served_name: str | None = None
     echo: bool = False
+    # a session of its own instead of the caller's: how rig used to start servers; only
+    # bench/scripts/host_stalls.py sets it, to show the stalls that caused (see start())
+    own_session: bool = False
     proc: subprocess.Popen | None = field(default=None, init=False)
 
     @property
@@ -80,7 +83,11 @@ class VllmServer:
             stdout=subprocess.PIPE if self.echo else log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            # its own process group (stop() signals the whole tree) but the caller's session: with
+            # the kernel's autogroup scheduling (one CPU group per session, on by default) a server
+            # in a session of its own starved the caller's processes for seconds at a time on a
+            # small host (docs/development.md, "Host stalls"; bench/scripts/host_stalls.py)
+            **({"start_new_session": True} if self.own_session else {"process_group": 0}),
         )
         if self.echo:
             self._tee(log)
