@@ -12,6 +12,14 @@ checkpoint is freed while the turn still decodes, is older than the unrelated tr
 evicted; the next turn finds its attention blocks but no state, and re-prefills from 0. With
 ``VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS=1`` it is kept until the turn ends and freed last.
 
+The order of events is set inside the engine, not left to the client's timing: at the turn's
+first token (its prefill is done, its lookup counted) all of the turn's unrelated requests follow
+in one batch request. The engine runs them ``max_seqs - 1`` at a time beside the turn's decode;
+they need ~50 engine steps, far fewer than the turn's ``turn_output`` tokens, so they end inside
+the turn even when the client or the API server of a small, busy host stalls for seconds (seen
+here: up to ~20 s, the engine decoding on). Nothing else runs between turns: the next turn starts
+when /metrics shows the server idle.
+
 The same function serves ``bench/scripts/mamba_checkpoint_order.py`` (prints the figures) and
 ``tests/test_patch_mamba.py`` (asserts on them). Greedy decoding with ``ignore_eos`` makes the
 outputs of both runs comparable token for token.
@@ -28,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
 import httpx
 
@@ -44,14 +53,16 @@ class Scenario:
     turns: int = 4
     first_prompt: int = 300  # tokens of the conversation's first prompt
     user_tokens: int = 64  # new tokens each later turn appends after the history
-    turn_output: int = 512  # tokens each turn decodes (ignore_eos): long, so the traffic fits in it
+    turn_output: int = 2048  # tokens each turn decodes (ignore_eos): ~40x what its unrelated traffic needs
+    max_len: int = 4096  # --max-model-len
     reply_tokens: int = 96  # the assistant turn as re-rendered into the next prompt
     unrelated_prompt: int = 320  # tokens per unrelated request
     unrelated_output: int = 4
     num_blocks: int = 128  # --num-gpu-blocks-override
-    noise_streams: int = 2  # clients sending unrelated requests one after another (--max-num-seqs is this + 1)
-    unrelated_per_turn: int = 16  # in all, starting at the turn's first token, all done before the next turn
+    max_seqs: int = 3  # --max-num-seqs: the turn + 2 unrelated requests run, the others wait queued (no blocks)
+    unrelated_per_turn: int = 16  # sent in one batch at each turn's first token
     chunk: int = 128  # --max-num-batched-tokens
+    stream_interval: int = 16  # a turn streams its first token, then every 16 (less work for a small host)
     seed: int = 0
 
 
@@ -67,19 +78,19 @@ class Side:
     turn_prompt: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)  # conversation turns' output ids
     unrelated_sent: int = 0
-    unrelated_after_turn: int = 0  # unrelated requests that ended after their turn (should be 0)
     preemptions: float = 0.0
 
 
-def serve_argv(model: Path, port: int, num_blocks: int, chunk: int, max_seqs: int) -> list[str]:
+def serve_argv(model: Path, port: int, sc: Scenario) -> list[str]:
     """The CPU serve line for the tiny hybrid model with prefix caching and a small pool."""
     return [
         str(Path(sys.executable).with_name("vllm")), "serve", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-        "--max-model-len", "2048", "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", str(chunk),
+        "--max-model-len", str(sc.max_len), "--max-num-seqs", str(sc.max_seqs),
+        "--max-num-batched-tokens", str(sc.chunk),
         "--gpu-memory-utilization", "0.1", "--mamba-ssm-cache-dtype", "float32", "--block-size", "32",
         "--enable-prefix-caching", "--enforce-eager", "--enable-prompt-tokens-details",
-        "--num-gpu-blocks-override", str(num_blocks),
+        "--num-gpu-blocks-override", str(sc.num_blocks),
     ]
 
 
@@ -94,12 +105,13 @@ def metrics(client: httpx.Client, url: str, headers: dict[str, str]) -> dict[str
     return out
 
 
-def _stream(client: httpx.Client, server: VllmServer, prompt: list[int], max_tokens: int,
+def _stream(client: httpx.Client, server: VllmServer, prompt: list[int], max_tokens: int, interval: int = 1,
             on_first: Callable[[], None] | None = None) -> tuple[float, list[int], int]:
-    """(TTFT in ms, output token ids, cached prompt tokens) of one greedy streamed completion;
-    ``on_first`` runs at TTFT."""
+    """(TTFT in ms, output token ids, cached prompt tokens from usage) of one greedy streamed
+    completion; ``on_first`` runs at its first token."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+            "stream": True, "return_token_ids": True, "stream_interval": interval,
+            "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft = None
     cached = -1
@@ -126,50 +138,56 @@ def _stream(client: httpx.Client, server: VllmServer, prompt: list[int], max_tok
     return ttft or 0.0, out, cached
 
 
-def _unrelated(server: VllmServer, sc: Scenario, rng: random.Random, count: int, sent: list[int]) -> None:
-    """``count`` unrelated requests one after another: random prompts share no prefix."""
+def _unrelated(server: VllmServer, sc: Scenario, rng: random.Random, sent: list[int]) -> None:
+    """The turn's unrelated requests in one batch (a list of prompts: one round trip, all queued in
+    the engine at once, which admits ``max_seqs - 1`` at a time and needs nothing more from the
+    client or the API server until they end). Random prompts share no prefix."""
+    prompts = [[rng.randrange(16, 2000) for _ in range(sc.unrelated_prompt)] for _ in range(sc.unrelated_per_turn)]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": sc.unrelated_output, "temperature": 0,
+            "ignore_eos": True}
     with httpx.Client(timeout=600) as client:
-        for _ in range(count):
-            prompt = [rng.randrange(16, 2000) for _ in range(sc.unrelated_prompt)]
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": sc.unrelated_output, "temperature": 0,
-                    "ignore_eos": True}
-            client.post(f"{server.url}/v1/completions", json=body, headers=server.headers()).raise_for_status()
-            sent[0] += 1
-            sent.append(time.monotonic())
+        r = client.post(f"{server.url}/v1/completions", json=body, headers=server.headers())
+        r.raise_for_status()
+    sent[0] += len(r.json()["choices"])
+
+
+def settled(client: httpx.Client, server: VllmServer, timeout: float = 60.0) -> dict[str, float]:
+    """/metrics once the server is idle (nothing running or waiting: an aborted turn has been
+    freed) and its counters have stopped moving (the last steps' stats have arrived)."""
+    deadline = time.monotonic() + timeout
+    last: dict[str, float] | None = None
+    while time.monotonic() < deadline:
+        m = metrics(client, server.url, server.headers())
+        idle = m.get("vllm:num_requests_running", 0) == 0 and m.get("vllm:num_requests_waiting", 0) == 0
+        if idle and last is not None and m.get("vllm:prefix_cache_queries_total") == last.get(
+                "vllm:prefix_cache_queries_total"):
+            return m
+        last = m if idle else None
+        time.sleep(0.3)
+    raise RuntimeError(f"{server.url} did not go idle within {timeout:.0f} s (requests still running or waiting)")
 
 
 def run_conversation(server: VllmServer, sc: Scenario, knob: bool) -> Side:
-    """The conversation; each turn's prefill runs alone (its TTFT and hits are measured then),
-    unrelated traffic starts at its first token and stops when it ends."""
+    """The conversation: each turn, its unrelated traffic right behind it, then an idle server."""
     rng = random.Random(sc.seed)
     side = Side(knob)
     history = [rng.randrange(16, 2000) for _ in range(sc.first_prompt)]
     with httpx.Client(timeout=600) as client:
         _stream(client, server, [rng.randrange(16, 2000) for _ in range(64)], 4)  # warm-up, not counted
-        time.sleep(1.0)
-        m0 = metrics(client, server.url, server.headers())
+        m0 = settled(client, server)
         for turn in range(sc.turns):
             sent = [0]
             # moderate pressure: the LRU queue churns but the pool is not saturated (under saturation
             # the patch gives kept checkpoints back rather than have a running request refused a block)
-            per_stream = sc.unrelated_per_turn // sc.noise_streams
-            seeds = [sc.seed * 1000 + turn * 100 + i for i in range(sc.noise_streams)]
-            noise = [threading.Thread(target=_unrelated, args=(server, sc, random.Random(x), per_stream, sent))
-                     for x in seeds]
-
-            def first(noise=noise) -> None:
-                for t in noise:
-                    t.start()
-
+            noise = threading.Thread(target=_unrelated, args=(server, sc, random.Random(sc.seed * 1000 + turn), sent))
             try:
-                ttft, out, cached = _stream(client, server, history, sc.turn_output, on_first=first)
-                turn_end = time.monotonic()
+                ttft, out, cached = _stream(client, server, history, sc.turn_output, sc.stream_interval,
+                                            on_first=noise.start)
             finally:
-                for t in noise:
-                    if t.ident is not None:
-                        t.join()
+                if noise.ident is not None:
+                    noise.join()
+            settled(client, server)
             side.unrelated_sent += sent[0]
-            side.unrelated_after_turn += sum(t > turn_end for t in sent[1:])
             side.outputs.append(out)
             if turn > 0:
                 side.turn_ttft_ms.append(round(ttft, 1))
@@ -177,8 +195,7 @@ def run_conversation(server: VllmServer, sc: Scenario, knob: bool) -> Side:
                 side.turn_cached.append(cached)
             reply = [rng.randrange(16, 2000) for _ in range(sc.reply_tokens)]
             history = history + reply + [rng.randrange(16, 2000) for _ in range(sc.user_tokens)]
-        time.sleep(2.0)  # the engine's last stats reach /metrics asynchronously
-        m1 = metrics(client, server.url, server.headers())
+        m1 = settled(client, server)
         side.hits = m1["vllm:prefix_cache_hits_total"] - m0["vllm:prefix_cache_hits_total"]
         side.queries = m1["vllm:prefix_cache_queries_total"] - m0["vllm:prefix_cache_queries_total"]
         side.preemptions = m1.get("vllm:num_preemptions_total", 0.0) - m0.get("vllm:num_preemptions_total", 0.0)
@@ -190,7 +207,7 @@ def run_side(model: Path, sc: Scenario, knob: bool, log_dir: Path) -> Side:
     port = free_port()
     env = {**paths.cache_env(), KNOB: "1" if knob else "0"}
     log = log_dir / f"mamba-checkpoint-{'on' if knob else 'off'}-{port}.log"
-    argv = serve_argv(model, port, sc.num_blocks, sc.chunk, sc.noise_streams + 1)
+    argv = serve_argv(model, port, sc)
     with VllmServer(argv, env, log, port=port, served_name="tiny") as server:
         return run_conversation(server, sc, knob)
 
@@ -210,9 +227,10 @@ def report(sc: Scenario, off: Side, on: Side) -> str:
     lines = [
         f"scenario: {sc.turns} turns, first prompt {sc.first_prompt} tok, each next prompt +{sc.reply_tokens} "
         f"re-rendered reply +{sc.user_tokens} user tok, {sc.turn_output} tok decoded/turn; unrelated "
-        f"{sc.unrelated_per_turn} x {sc.unrelated_prompt}+{sc.unrelated_output} tok from each turn's first "
-        f"token on ({sc.noise_streams} clients, one request after another); "
-        f"--num-gpu-blocks-override {sc.num_blocks} --max-num-batched-tokens {sc.chunk} (block 64)",
+        f"{sc.unrelated_per_turn} x {sc.unrelated_prompt}+{sc.unrelated_output} tok from each "
+        f"turn on (one batch, sent at its first token); "
+        f"--max-num-seqs {sc.max_seqs} --num-gpu-blocks-override {sc.num_blocks} "
+        f"--max-num-batched-tokens {sc.chunk} (block 64); a turn streams every {sc.stream_interval} tokens",
         f"{'':34}{'knob off':>12}{'knob on':>12}",
         f"{'turn prompts (tok)':34}{str(off.turn_prompt):>12}",
         f"{'cached tokens per turn 2.. (usage)':34}{str(off.turn_cached):>12}  {on.turn_cached}",
@@ -221,9 +239,9 @@ def report(sc: Scenario, off: Side, on: Side) -> str:
         f"{'Δ prefix_cache_hits_total (run)':34}{off.hits:>12.0f}{on.hits:>12.0f}",
         f"{'Δ prefix_cache_queries_total (run)':34}{off.queries:>12.0f}{on.queries:>12.0f}",
         f"{'mean TTFT turns 2.. (ms)':34}{mean(off.turn_ttft_ms):>12.1f}{mean(on.turn_ttft_ms):>12.1f}",
+        f"{'median TTFT turns 2.. (ms)':34}{median(off.turn_ttft_ms):>12.1f}{median(on.turn_ttft_ms):>12.1f}",
         f"{'TTFT per turn (ms)':34}{str(off.turn_ttft_ms):>12}  {on.turn_ttft_ms}",
         f"{'unrelated requests sent':34}{off.unrelated_sent:>12}{on.unrelated_sent:>12}",
-        f"{'  of which ended after their turn':34}{off.unrelated_after_turn:>12}{on.unrelated_after_turn:>12}",
         f"{'preemptions':34}{off.preemptions:>12.0f}{on.preemptions:>12.0f}",
         f"outputs identical (conversation turns): {off.outputs == on.outputs}",
     ]

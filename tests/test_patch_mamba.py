@@ -10,6 +10,7 @@ End to end (slow): two `vllm serve` starts of the tiny hybrid model, knob off an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from statistics import median
 
 import pytest
 import torch
@@ -201,6 +202,8 @@ def test_e2e_cpu_server_more_hits_lower_ttft_same_outputs(tiny_model, tmp_path):
     assert sum(on.turn_cached) > sum(off.turn_cached)  # per turn, from each response's usage
     assert on.hits > off.hits  # vllm:prefix_cache_hits_total over the run
     assert on.queries == off.queries  # the same prompts were asked
-    assert sum(on.turn_ttft_ms) < sum(off.turn_ttft_ms)
+    # the median: the client's clock sees a host's scheduling stalls too, one turn's TTFT can carry one
+    assert median(on.turn_ttft_ms) < median(off.turn_ttft_ms)
     assert on.outputs == off.outputs
+    assert on.unrelated_sent == off.unrelated_sent == sc.turns * sc.unrelated_per_turn
     assert on.preemptions == 0

@@ -1,6 +1,7 @@
 """Print the mamba-align-checkpoint-order figures: knob off vs on, on a real CPU `vllm serve`.
 
-    .venv/bin/python bench/scripts/mamba_checkpoint_order.py [--turns N] [--num-blocks N]
+    .venv/bin/python bench/scripts/mamba_checkpoint_order.py [--turns N] [--num-blocks N] [--turn-output N]
+        [--unrelated-per-turn N]
 
 Starts two servers one after the other (tiny hybrid model, --enforce-eager, small KV pool), runs
 the conversation of rig.mamba_checkpoint_bench on each and prints the table that
@@ -26,12 +27,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--turns", type=int, default=mb.Scenario.turns)
     ap.add_argument("--num-blocks", type=int, default=mb.Scenario.num_blocks)
     ap.add_argument("--turn-output", type=int, default=mb.Scenario.turn_output)
+    ap.add_argument("--unrelated-per-turn", type=int, default=mb.Scenario.unrelated_per_turn)
     args = ap.parse_args(argv)
     st = patches.state()
     if not st.all_applied:
         print("the patch series is not applied to this vLLM: run `inv patch.apply` first", file=sys.stderr)
         return 2
-    sc = replace(mb.Scenario(), turns=args.turns, num_blocks=args.num_blocks, turn_output=args.turn_output)
+    sc = replace(mb.Scenario(), turns=args.turns, num_blocks=args.num_blocks, turn_output=args.turn_output,
+                 unrelated_per_turn=args.unrelated_per_turn)
     off, on = mb.compare(default_hybrid(), sc)
     print(mb.report(sc, off, on))
     return 0
