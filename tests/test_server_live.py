@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import pytest
@@ -68,3 +69,11 @@ def test_requests_without_the_key_are_refused(batch_server):
     # the plan turns on the auth-deny-default patch: /metrics needs the key too, /health does not
     assert httpx.get(f"{batch_server.url}/metrics", timeout=30).status_code == 401
     assert httpx.get(f"{batch_server.url}/health", timeout=30).status_code == 200
+
+
+def test_server_runs_in_its_own_process_group_in_the_callers_session(batch_server):
+    """Its own group: stop() signals the whole tree. The caller's session: with autogroup, a
+    server in a session of its own starved its callers (docs/development.md, "Host stalls")."""
+    pid = batch_server.proc.pid
+    assert os.getpgid(pid) == pid != os.getpgid(0)
+    assert os.getsid(pid) == os.getsid(0)
