@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from statistics import median
 import httpx
 
 from rig import paths
+from rig.bench.metrics import totals
 from rig.server import VllmServer, free_port
 
 KNOB = "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS"
@@ -95,14 +95,8 @@ def serve_argv(model: Path, port: int, sc: Scenario) -> list[str]:
 
 
 def metrics(client: httpx.Client, url: str, headers: dict[str, str]) -> dict[str, float]:
-    """The unlabelled sums of every ``vllm:*`` counter/gauge on /metrics."""
-    text = client.get(f"{url}/metrics", headers=headers).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(vllm:[a-z_:]+?)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
+    """Every metric on /metrics by name, its labelled series summed."""
+    return totals(client.get(f"{url}/metrics", headers=headers).text)
 
 
 def _stream(client: httpx.Client, server: VllmServer, prompt: list[int], max_tokens: int, interval: int = 1,

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import httpx  # noqa: E402
 
 from rig import paths  # noqa: E402
-from rig.bench import client  # noqa: E402
+from rig.bench import client, metrics  # noqa: E402
 from rig.bench.servers import ServerPool  # noqa: E402
 
 FIGURES = ("output_tok_per_s", "mean_ttft_ms", "mean_tpot_ms")
@@ -51,12 +51,7 @@ SERVER = {"srv_ttft_ms": "vllm:time_to_first_token_seconds",
 def histograms(t) -> dict[str, float]:
     """``_sum`` and ``_count`` of the SERVER histograms, summed over their label sets."""
     text = httpx.get(f"{t.url}/metrics", headers=t.headers, timeout=60).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in SERVER.values():
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
-    return out
+    return metrics.totals(text, {m + suffix for m in SERVER.values() for suffix in ("_sum", "_count")})
 
 
 def measured(fn, t, *args) -> dict[str, float]:

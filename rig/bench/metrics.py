@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,18 +37,23 @@ COUNTERS = {
 GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting"}
 
 
-def parse(text: str) -> dict[str, float]:
-    """Sum every series of the metrics we use (labels differ by model name / finish reason)."""
-    wanted = {**{v: k for k, v in COUNTERS.items()}, **{v: k for k, v in GAUGES.items()}}
+def totals(text: str, names: Collection[str] | None = None) -> dict[str, float]:
+    """Each sample name of a /metrics text (``names`` only, when given) with its series summed:
+    labels differ by model name, finish reason, engine, and a figure wants all of them."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = wanted.get(name)
-        if key is not None:
-            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[-1])
+        if names is None or name in names:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
     return out
+
+
+def parse(text: str) -> dict[str, float]:
+    """The metrics we use, by our short names (COUNTERS, GAUGES), every series summed."""
+    short = {**{v: k for k, v in COUNTERS.items()}, **{v: k for k, v in GAUGES.items()}}
+    return {short[name]: v for name, v in totals(text, short).items()}
 
 
 @dataclass
