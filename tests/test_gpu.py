@@ -137,18 +137,19 @@ def test_ready_on_cuda_and_records_what_vllm_chose(gpu_server):
 def test_streaming_chat_with_usage(gpu_server):
     server, _, _ = gpu_server
     body = {"model": server.served_name, "messages": [{"role": "user", "content": "What is there to see in Oslo?"}],
-            "max_tokens": 16, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True}
-    usage, deltas = None, 0
+            "max_tokens": 16, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    usage, deltas, events = None, 0, []
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=server.headers(),
                       timeout=300) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 event = json.loads(line[6:])
+                events.append(event)
                 usage = event.get("usage") or usage
                 deltas += len(event.get("choices", []))
-    assert usage and usage["completion_tokens"] == 16 and deltas >= 1
+    assert usage, f"no usage in the stream; its last events: {events[-3:]}"
+    assert 1 <= usage["completion_tokens"] <= 16 and deltas >= 1
 
 
 def test_tool_calls_through_the_qwen3_coder_parser(gpu_server):
