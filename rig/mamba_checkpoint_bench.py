@@ -206,11 +206,24 @@ def run_side(model: Path, sc: Scenario, knob: bool, log_dir: Path) -> Side:
         return run_conversation(server, sc, knob)
 
 
-def compare(model: Path, sc: Scenario | None = None, log_dir: Path | None = None) -> tuple[Side, Side]:
-    """Both sides, off first: two server starts."""
+def compare(model: Path, sc: Scenario | None = None, log_dir: Path | None = None,
+            knobs: tuple[bool, bool] = (False, True)) -> tuple[Side, Side]:
+    """Both sides, off first: two server starts (``knobs=(False, False)``: the same configuration
+    twice, to see what differs between two runs without the patch)."""
     sc = sc or Scenario()
     log_dir = log_dir or paths.logs_dir()
-    return run_side(model, sc, False, log_dir), run_side(model, sc, True, log_dir)
+    return run_side(model, sc, knobs[0], log_dir), run_side(model, sc, knobs[1], log_dir)
+
+
+def first_divergence(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] | None:
+    """(turn, token index), both from 1, of the first token where two runs' turns differ."""
+    for turn, (x, y) in enumerate(zip(a, b, strict=False), 1):
+        for i, (u, v) in enumerate(zip(x, y, strict=False), 1):
+            if u != v:
+                return turn, i
+        if len(x) != len(y):
+            return turn, min(len(x), len(y)) + 1
+    return None
 
 
 def report(sc: Scenario, off: Side, on: Side) -> str:
@@ -225,7 +238,7 @@ def report(sc: Scenario, off: Side, on: Side) -> str:
         f"turn on (one batch, sent at its first token); "
         f"--max-num-seqs {sc.max_seqs} --num-gpu-blocks-override {sc.num_blocks} "
         f"--max-num-batched-tokens {sc.chunk} (block 64); a turn streams every {sc.stream_interval} tokens",
-        f"{'':34}{'knob off':>12}{'knob on':>12}",
+        f"{'':34}{'knob ' + ('on' if off.knob else 'off'):>12}{'knob ' + ('on' if on.knob else 'off'):>12}",
         f"{'turn prompts (tok)':34}{str(off.turn_prompt):>12}",
         f"{'cached tokens per turn 2.. (usage)':34}{str(off.turn_cached):>12}  {on.turn_cached}",
         f"{'turn 2.. prompt tokens cached':34}{sum(off.turn_cached) / max(sum(off.turn_prompt), 1):>12.1%}"
@@ -237,6 +250,8 @@ def report(sc: Scenario, off: Side, on: Side) -> str:
         f"{'TTFT per turn (ms)':34}{str(off.turn_ttft_ms):>12}  {on.turn_ttft_ms}",
         f"{'unrelated requests sent':34}{off.unrelated_sent:>12}{on.unrelated_sent:>12}",
         f"{'preemptions':34}{off.preemptions:>12.0f}{on.preemptions:>12.0f}",
-        f"outputs identical (conversation turns): {off.outputs == on.outputs}",
+        f"outputs identical (conversation turns): {off.outputs == on.outputs}"
+        + ("" if off.outputs == on.outputs else " (first difference: turn {}, token {})".format(
+            *first_divergence(off.outputs, on.outputs))),
     ]
     return "\n".join(lines)

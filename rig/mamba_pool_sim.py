@@ -114,7 +114,10 @@ class Sim:
     def admit(self, r: Request, outputs: list[int]) -> int | None:
         """Prefix lookup + prefill in one chunk; the hit in tokens, None when the pool refuses."""
         blocks, hit, _ = self.manager.get_computed_blocks(r)
-        if self.manager.allocate_slots(r, r.num_tokens - hit, hit, blocks) is None:
+        # as Scheduler.schedule() admits: the whole prompt must fit (scheduler_reserve_full_isl,
+        # on by default in 0.28)
+        if self.manager.allocate_slots(r, r.num_tokens - hit, hit, blocks, full_sequence_must_fit=True,
+                                       has_scheduled_reqs=bool(self.active)) is None:
             return None
         r.status = RequestStatus.RUNNING
         r.num_computed_tokens = r.num_tokens

@@ -13,6 +13,7 @@ from statistics import median
 
 import pytest
 
+from rig import mamba_pool_sim
 from rig.mamba_pool_sim import KNOB, Request, Sim
 
 CONV = list(range(100, 170))  # 70-token first prompt
@@ -219,6 +220,40 @@ def test_partial_hit_copy_on_write_with_the_knob(monkeypatch):
     assert hit == 72  # inside block 4: a partial hit, copied on write
     drain(sim)
     assert_clean(sim)
+
+
+def test_kept_checkpoints_cost_admissions_nothing():
+    """Kept checkpoints are given back when an admission falls short too, not only a running
+    request: with independent requests arriving faster than the pool drains them, the knob
+    refuses no more admissions and delays none longer (before, it held up to 3/16 of the pool
+    from waiting requests: bench/scripts/mamba_checkpoint_admission.py, docs/patches.md)."""
+    w = mamba_pool_sim.AdmissionWorkload()
+    off, on = mamba_pool_sim.run_admissions(w, False), mamba_pool_sim.run_admissions(w, True)
+    assert off.refused > 0 and off.max_waiting > 1  # the pool, not the seats, held requests back
+    assert on.max_kept > 0  # the knob kept checkpoints during the run
+    assert on.refused <= off.refused
+    assert sum(on.delay_steps) <= sum(off.delay_steps)
+    assert on.steps <= off.steps and on.preemptions <= off.preemptions
+    assert off.leaks == on.leaks == []
+
+
+def test_a_malformed_max_stops_only_a_manager_that_keeps(monkeypatch):
+    """VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX is parsed only with the knob on (vLLM's
+    enable_envs_cache() reads every variable at start, so a bad value must not stop a server
+    that does not keep checkpoints); with the knob on the error names the variable."""
+    from vllm import envs
+
+    for bad in ("two", "0", "-1", ""):
+        monkeypatch.setenv("VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX", bad)
+        monkeypatch.setenv(KNOB, "0")
+        envs.enable_envs_cache()  # what the engine core does after start: reads every variable
+        envs.disable_envs_cache()
+        Sim.make(48)  # builds; the value is unused
+        monkeypatch.setenv(KNOB, "1")
+        with pytest.raises(ValueError, match=f"VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX={bad!r}: expected an integer"):
+            Sim.make(48)
+    monkeypatch.setenv("VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX", "3")
+    assert envs.VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX == "3"
 
 
 @pytest.mark.slow
