@@ -59,11 +59,14 @@ class Scenario:
     unrelated_prompt: int = 320  # tokens per unrelated request
     unrelated_output: int = 4
     num_blocks: int = 128  # --num-gpu-blocks-override
+    kv_bytes: int = 64 << 20  # --kv-cache-memory-bytes (rig's KV_MEM): the same pool on every host, never a
+    # share of the host's RAM (~256 KiB a block for the tiny model: 256 blocks; the override keeps 128)
     max_seqs: int = 3  # --max-num-seqs: the turn + 2 unrelated requests run, the others wait queued (no blocks)
     unrelated_per_turn: int = 16  # sent in one batch at each turn's first token
     chunk: int = 128  # --max-num-batched-tokens
     stream_interval: int = 16  # a turn streams its first token, then every 16 (less work for a small host)
     seed: int = 0
+    replay_tokens: int = 32  # each turn replayed alone after the traffic, twice: from its cache, from scratch
 
 
 @dataclass
@@ -77,8 +80,29 @@ class Side:
     turn_cached: list[int] = field(default_factory=list)  # usage cached_tokens per turn 2..
     turn_prompt: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)  # conversation turns' output ids
+    prompts: list[list[int]] = field(default_factory=list)  # each turn's prompt
     unrelated_sent: int = 0
     preemptions: float = 0.0
+    # turns 2.. replayed alone after the traffic phase (replay_prompts): as the cache left them, resumed
+    # one token before their end, and from scratch (a cache_salt: no hit possible)
+    first: list[Completion] = field(default_factory=list)
+    resumed: list[Completion] = field(default_factory=list)
+    scratch: list[Completion] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    """One greedy completion with the logprobs of its tokens and of the runner-up at each."""
+
+    ids: list[int]
+    logprobs: list[float]  # of each chosen token
+    top: list[dict[int, float]]  # the top-2 tokens at each position, id -> logprob
+    cached: int  # prompt tokens served from the prefix cache (usage)
+
+
+# Logprob tolerance of the identity check (nats): measured |Δ| between a turn resumed from a checkpoint
+# and the same turn from scratch, both alone, on this CPU: docs/patches.md, "Identity".
+TOLERANCE = 0.05
 
 
 def serve_argv(model: Path, port: int, sc: Scenario) -> list[str]:
@@ -88,7 +112,7 @@ def serve_argv(model: Path, port: int, sc: Scenario) -> list[str]:
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
         "--max-model-len", str(sc.max_len), "--max-num-seqs", str(sc.max_seqs),
         "--max-num-batched-tokens", str(sc.chunk),
-        "--gpu-memory-utilization", "0.1", "--mamba-ssm-cache-dtype", "float32", "--block-size", "32",
+        "--kv-cache-memory-bytes", str(sc.kv_bytes), "--mamba-ssm-cache-dtype", "float32", "--block-size", "32",
         "--enable-prefix-caching", "--enforce-eager", "--enable-prompt-tokens-details",
         "--num-gpu-blocks-override", str(sc.num_blocks),
     ]
@@ -132,6 +156,77 @@ def _stream(client: httpx.Client, server: VllmServer, prompt: list[int], max_tok
     return ttft or 0.0, out, cached
 
 
+def complete(client: httpx.Client, server: VllmServer, prompt: list[int], max_tokens: int,
+             salt: str | None = None) -> Completion:
+    """A greedy completion of ``prompt`` alone with top-2 logprobs; ``salt`` (vLLM's cache_salt) keeps it
+    from hitting anything cached without one."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2, "return_tokens_as_token_ids": True}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = client.post(f"{server.url}/v1/completions", json=body, headers=server.headers(), timeout=600)
+    r.raise_for_status()
+    data = r.json()
+    lp = data["choices"][0]["logprobs"]
+
+    def tid(token: str) -> int:
+        return int(token.removeprefix("token_id:"))
+
+    cached = ((data.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Completion(ids=[tid(x) for x in lp["tokens"]], logprobs=list(lp["token_logprobs"]),
+                      top=[{tid(k): v for k, v in d.items()} for d in lp["top_logprobs"]], cached=cached)
+
+
+def disagreement(ref: Completion, cand: Completion, tol: float = TOLERANCE) -> str | None:
+    """None when ``cand`` is ``ref`` up to rounding: the same greedy tokens with logprobs within ``tol``,
+    until (if ever) a position where ``ref``'s top two are within ``tol`` of each other and ``cand``
+    took the other one (a near-tie, where the argmax may flip; after it the contexts differ and there
+    is nothing more to compare). Else what differs, where."""
+    for i, (a, b) in enumerate(zip(ref.ids, cand.ids, strict=True)):
+        if a == b:
+            d = abs(ref.logprobs[i] - cand.logprobs[i])
+            if d > tol:
+                return (f"token {i + 1} ({a}): logprob {cand.logprobs[i]:.4f} vs {ref.logprobs[i]:.4f}, "
+                        f"|Δ| {d:.4f} > {tol}")
+            continue
+        alt = ref.top[i].get(b)
+        if alt is None or ref.logprobs[i] - alt > tol:
+            gap = "not in the top 2" if alt is None else f"{ref.logprobs[i] - alt:.4f} below"
+            return f"token {i + 1}: {b} instead of {a}, which the reference had {gap} (not a near-tie)"
+        return None
+    return None
+
+
+def max_logprob_delta(ref: Completion, cand: Completion) -> float:
+    """The largest |Δ logprob| over the positions before the first differing token."""
+    d = 0.0
+    for i, (a, b) in enumerate(zip(ref.ids, cand.ids, strict=True)):
+        if a != b:
+            break
+        d = max(d, abs(ref.logprobs[i] - cand.logprobs[i]))
+    return d
+
+
+def replay_prompts(prompts: list[list[int]], block: int = 64) -> list[list[int]]:
+    """For each turn 2..: its prompt cut one token past the previous prompt's last block boundary,
+    where the next turn resumes (its checkpoint is the one the patch keeps first). One token past
+    it, because the tiny model's recurrent state decays within a few tokens (its GDN decay,
+    ``-exp(A_log) * softplus(a + dt_bias)``, is -2.6 per token at the slowest head, and the conv
+    window is 4 tokens): after a longer suffix a wrong state no longer shows in the outputs."""
+    return [cur[: block * (len(prev) // block) + 1] for prev, cur in zip(prompts, prompts[1:], strict=False)]
+
+
+def replay(client: httpx.Client, server: VllmServer, prompts: list[list[int]], max_tokens: int,
+           side: Side) -> None:
+    """Each replay prompt alone, nothing else running: first as the cache left it after the traffic
+    (``side.first``), then again (resumed from the checkpoint one token before its end, which the
+    first one left at the latest: ``side.resumed``), then from scratch (a cache salt)."""
+    for turn, prompt in enumerate(replay_prompts(prompts), 2):
+        side.first.append(complete(client, server, prompt, max_tokens))
+        side.resumed.append(complete(client, server, prompt, max_tokens))
+        side.scratch.append(complete(client, server, prompt, max_tokens, salt=f"scratch-{turn}"))
+
+
 def _unrelated(server: VllmServer, sc: Scenario, rng: random.Random, sent: list[int]) -> None:
     """The turn's unrelated requests in one batch (a list of prompts: one round trip, all queued in
     the engine at once, which admits ``max_seqs - 1`` at a time and needs nothing more from the
@@ -171,12 +266,13 @@ def run_conversation(server: VllmServer, sc: Scenario, knob: bool) -> Side:
         m0 = settled(client, server)
         for turn in range(sc.turns):
             sent = [0]
+            side.prompts.append(history)
             # moderate pressure: the LRU queue churns but the pool is not saturated (under saturation
             # the patch gives kept checkpoints back rather than have a running request refused a block)
             noise = threading.Thread(target=_unrelated, args=(server, sc, random.Random(sc.seed * 1000 + turn), sent))
             try:
                 ttft, out, cached = _stream(client, server, history, sc.turn_output, sc.stream_interval,
-                                            on_first=noise.start)
+                                            on_first=noise.start if sc.unrelated_per_turn else None)
             finally:
                 if noise.ident is not None:
                     noise.join()
@@ -193,24 +289,53 @@ def run_conversation(server: VllmServer, sc: Scenario, knob: bool) -> Side:
         side.hits = m1["vllm:prefix_cache_hits_total"] - m0["vllm:prefix_cache_hits_total"]
         side.queries = m1["vllm:prefix_cache_queries_total"] - m0["vllm:prefix_cache_queries_total"]
         side.preemptions = m1.get("vllm:num_preemptions_total", 0.0) - m0.get("vllm:num_preemptions_total", 0.0)
+        if sc.replay_tokens:
+            replay(client, server, side.prompts, sc.replay_tokens, side)
     return side
 
 
-def run_side(model: Path, sc: Scenario, knob: bool, log_dir: Path) -> Side:
+def run_side(model: Path, sc: Scenario, knob: bool, log_dir: Path, extra_env: dict[str, str] | None = None) -> Side:
     """One fresh server with the knob off or on, and the conversation on it."""
     port = free_port()
-    env = {**paths.cache_env(), KNOB: "1" if knob else "0"}
+    env = {**paths.cache_env(), KNOB: "1" if knob else "0", **(extra_env or {})}
     log = log_dir / f"mamba-checkpoint-{'on' if knob else 'off'}-{port}.log"
     argv = serve_argv(model, port, sc)
     with VllmServer(argv, env, log, port=port, served_name="tiny") as server:
         return run_conversation(server, sc, knob)
 
 
-def compare(model: Path, sc: Scenario | None = None, log_dir: Path | None = None) -> tuple[Side, Side]:
-    """Both sides, off first: two server starts."""
+def compare(model: Path, sc: Scenario | None = None, log_dir: Path | None = None,
+            knobs: tuple[bool, bool] = (False, True)) -> tuple[Side, Side]:
+    """Both sides, off first: two server starts (``knobs=(False, False)``: the same configuration
+    twice, to see what differs between two runs without the patch)."""
     sc = sc or Scenario()
     log_dir = log_dir or paths.logs_dir()
-    return run_side(model, sc, False, log_dir), run_side(model, sc, True, log_dir)
+    return run_side(model, sc, knobs[0], log_dir), run_side(model, sc, knobs[1], log_dir)
+
+
+def first_divergence(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] | None:
+    """(turn, token index), both from 1, of the first token where two runs' turns differ."""
+    for turn, (x, y) in enumerate(zip(a, b, strict=False), 1):
+        for i, (u, v) in enumerate(zip(x, y, strict=False), 1):
+            if u != v:
+                return turn, i
+        if len(x) != len(y):
+            return turn, min(len(x), len(y)) + 1
+    return None
+
+
+def identity_lines(s: Side) -> list[str]:
+    """The replay's verdicts for one server (after traffic and resumed, each vs from scratch)."""
+    name = "knob " + ("on" if s.knob else "off")
+    out = []
+    for label, runs in (("after traffic", s.first), ("resumed", s.resumed)):
+        pairs = list(zip(s.scratch, runs, strict=True))
+        verdicts = [disagreement(a, b) for a, b in pairs]
+        out.append(f"  {name}, {label} vs scratch: same tokens {[a.ids == b.ids for a, b in pairs]}, "
+                   f"max |Δ logprob| {max(max_logprob_delta(a, b) for a, b in pairs):.4g}, "
+                   f"agree within {TOLERANCE}: {all(v is None for v in verdicts)}")
+        out.extend(f"    turn {i}: {v}" for i, v in enumerate(verdicts, 2) if v)
+    return out
 
 
 def report(sc: Scenario, off: Side, on: Side) -> str:
@@ -225,7 +350,7 @@ def report(sc: Scenario, off: Side, on: Side) -> str:
         f"turn on (one batch, sent at its first token); "
         f"--max-num-seqs {sc.max_seqs} --num-gpu-blocks-override {sc.num_blocks} "
         f"--max-num-batched-tokens {sc.chunk} (block 64); a turn streams every {sc.stream_interval} tokens",
-        f"{'':34}{'knob off':>12}{'knob on':>12}",
+        f"{'':34}{'knob ' + ('on' if off.knob else 'off'):>12}{'knob ' + ('on' if on.knob else 'off'):>12}",
         f"{'turn prompts (tok)':34}{str(off.turn_prompt):>12}",
         f"{'cached tokens per turn 2.. (usage)':34}{str(off.turn_cached):>12}  {on.turn_cached}",
         f"{'turn 2.. prompt tokens cached':34}{sum(off.turn_cached) / max(sum(off.turn_prompt), 1):>12.1%}"
@@ -237,6 +362,19 @@ def report(sc: Scenario, off: Side, on: Side) -> str:
         f"{'TTFT per turn (ms)':34}{str(off.turn_ttft_ms):>12}  {on.turn_ttft_ms}",
         f"{'unrelated requests sent':34}{off.unrelated_sent:>12}{on.unrelated_sent:>12}",
         f"{'preemptions':34}{off.preemptions:>12.0f}{on.preemptions:>12.0f}",
-        f"outputs identical (conversation turns): {off.outputs == on.outputs}",
+        f"outputs identical (conversation turns, under traffic): {off.outputs == on.outputs}"
+        + ("" if off.outputs == on.outputs else " (first difference: turn {}, token {})".format(
+            *first_divergence(off.outputs, on.outputs))),
     ]
+    if off.scratch and on.scratch:
+        lines += [
+            f"replayed alone, {sc.replay_tokens} tok/turn:",
+            f"{'  cached tok/turn, after traffic':34}{str([c.cached for c in off.first]):>12}  "
+            f"{[c.cached for c in on.first]}",
+            f"{'  cached tok/turn, resumed':34}{str([c.cached for c in off.resumed]):>12}  "
+            f"{[c.cached for c in on.resumed]}",
+            f"  from scratch identical on both servers: {[c.ids for c in off.scratch] == [c.ids for c in on.scratch]}",
+        ]
+        for s in (off, on):
+            lines.extend(identity_lines(s))
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Print the mamba-align-checkpoint-order figures: knob off vs on, on a real CPU `vllm serve`.
 
     .venv/bin/python bench/scripts/mamba_checkpoint_order.py [--turns N] [--num-blocks N] [--turn-output N]
-        [--unrelated-per-turn N]
+        [--unrelated-per-turn N] [--sides off,on|off,off|on,on]
 
 Starts two servers one after the other (tiny hybrid model, --enforce-eager, small KV pool), runs
 the conversation of rig.mamba_checkpoint_bench on each and prints the table that
@@ -28,6 +28,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--num-blocks", type=int, default=mb.Scenario.num_blocks)
     ap.add_argument("--turn-output", type=int, default=mb.Scenario.turn_output)
     ap.add_argument("--unrelated-per-turn", type=int, default=mb.Scenario.unrelated_per_turn)
+    ap.add_argument("--sides", default="off,on", choices=["off,on", "off,off", "on,on"],
+                    help="the knob on the first and the second server (off,off: two runs of one configuration)")
     args = ap.parse_args(argv)
     st = patches.state()
     if not st.all_applied:
@@ -35,7 +37,8 @@ def main(argv: list[str]) -> int:
         return 2
     sc = replace(mb.Scenario(), turns=args.turns, num_blocks=args.num_blocks, turn_output=args.turn_output,
                  unrelated_per_turn=args.unrelated_per_turn)
-    off, on = mb.compare(default_hybrid(), sc)
+    first, second = (s == "on" for s in args.sides.split(","))
+    off, on = mb.compare(default_hybrid(), sc, knobs=(first, second))
     print(mb.report(sc, off, on))
     return 0
 
