@@ -104,6 +104,17 @@ def test_precedence_profile_overlay_env_set():
     assert cpu.knobs["GPU_UTIL"] == 0.3 and cpu.sources["GPU_UTIL"] == "overlay:cpu"
 
 
+def test_kvarn_on_cpu_states_the_context_the_tiny_model_has():
+    from rig.models.tiny import TinySpec
+
+    plan = resolve("kvarn", (), "cpu", environ={})
+    assert plan.knobs["MAX_LEN"] == TinySpec().max_position_embeddings == 32768
+    assert plan.sources["MAX_LEN"] == "overlay:cpu[kvarn]"  # stated for kvarn, not inherited from batch's line
+    argv = plan.argv
+    assert argv[argv.index("--max-model-len") + 1] == "32768"
+    assert resolve("kvarn", (), "gpu", environ={}).knobs["MAX_LEN"] == 262144
+
+
 def test_prefix_cache_zero_really_turns_it_off():
     off = resolve("batch", (), "gpu", environ={}).argv
     on = resolve("batch", (), "gpu", environ={}, sets={"PREFIX_CACHE": "1"}).argv
