@@ -130,7 +130,7 @@ def test_raw(target, tmp_path):
         # TG against the engine's own TPOT histogram (not the runner's formula over the client's TPOT)
         srv_tpot_ms = 1000 * p.counters["tpot_sum"] / p.counters["tpot_n"]
         assert p.counters["tpot_n"] == n and p.figures["srv_tpot_ms"] == pytest.approx(srv_tpot_ms)
-        assert p.figures["tg_agg_tok_per_s"] == pytest.approx(conc * 1000 / srv_tpot_ms, rel=0.1), p.figures
+        assert p.figures["tg_agg_tok_per_s"] == pytest.approx(conc * 1000 / srv_tpot_ms, rel=0.15), p.figures
         assert c.median("pp_tok_per_s") > 0
 
 
