@@ -72,6 +72,14 @@ class Knobs(BaseModel):
         lt=1,
         description=("share of GPU memory vLLM may use (on CPU: of the NUMA node's RAM); use 0.93 for prompt_logprobs"),
     )
+    KV_MEM: int = Field(
+        ge=0,
+        le=2**50,
+        description=(
+            "KV cache size in bytes (--kv-cache-memory-bytes; vLLM's syntax: 3G = 3 GiB, 3g = 3e9); "
+            "0 = sized by GPU_UTIL. The cpu overlay fixes it so the pool is the same on every host"
+        ),
+    )
     SPEC: Literal["off", "mtp", "dflash2"] = Field(
         description=(
             "speculative decoding: `dflash2` (DFlash2 drafter, DRAFT_MODEL), `mtp` (the model's MTP head), `off`"
@@ -116,12 +124,49 @@ class Knobs(BaseModel):
             raise ValueError(f"not a valid regex ({e}); use mlp, gate_up, . or a Python regex") from e
         return v
 
+    @field_validator("INT8_LAYERS")
+    @classmethod
+    def _not_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("empty: an empty include regex would match every layer; to turn int8 activations off "
+                             "set INT8_ACT='' (empty), for every layer say '.'")
+        return v
+
+    @field_validator("KV_MEM", mode="before")
+    @classmethod
+    def _bytes(cls, v: Any) -> Any:
+        return parse_bytes(v) if isinstance(v, str) else v
+
     @field_validator("TP")
     @classmethod
     def _tp(cls, v: int) -> int:
         if QUERY_HEADS % v or KV_HEADS % v:
             raise ValueError(f"must divide the {QUERY_HEADS} query and {KV_HEADS} KV heads: 1, 2 or 4")
         return v
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
+_UNIT = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_bytes(text: str) -> int | str:
+    """A byte count the way `vllm serve` reads --kv-cache-memory-bytes: 1G = 2**30, 1g = 10**9, 1024.
+
+    The grammar of vLLM's ``human_readable_int`` (tests hold the two equal), written out so that
+    resolving a plan does not import vLLM and torch. Text it cannot read is returned unchanged,
+    for the validator to refuse with the allowed forms.
+    """
+    value = text.strip()
+    m = _SIZE.fullmatch(value)
+    if m:
+        number, unit = m.groups()
+        if unit.islower():
+            return int(float(number) * _UNIT[unit])
+        return int(number) * _UNIT[unit] if number.isdigit() else text
+    try:
+        return int(value)
+    except ValueError:
+        return text
 
 
 def coerce(name: str, raw: Any) -> Any:
@@ -150,6 +195,8 @@ def allowed(name: str) -> str:
         return ", ".join(repr(a) for a in args)
     if field.annotation is str:
         return "mlp, gate_up, . or a regex" if name == "INT8_LAYERS" else "a string"
+    if name == "KV_MEM":
+        return "bytes >= 0, e.g. 3221225472, 3G (GiB) or 3g (10**9); 0 = sized by GPU_UTIL"
     bounds = []
     for m in field.metadata:
         for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):

@@ -181,6 +181,8 @@ def build_argv(k: Knobs, pf: profiles.ProfileFile, model: str) -> list[str]:
         argv += ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
     else:
         argv += ["--no-enable-prefix-caching"]
+    if k.KV_MEM:
+        argv += ["--kv-cache-memory-bytes", str(k.KV_MEM)]
     if k.KV != "auto":
         argv += ["--kv-cache-dtype", k.KV]
     if k.BLOCK_SIZE:
@@ -260,10 +262,18 @@ def check_with_vllm(argv: Sequence[str]) -> None:
     import contextlib
     import io
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # importing vLLM logs platform chatter
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    # Importing vLLM logs platform chatter: quiet it for the import only. Left in os.environ, the
+    # setting would reach every server this process starts later and hide their INFO lines (the
+    # KV pool, the attention backend) from the logs rig reads back.
+    saved = os.environ.get("VLLM_LOGGING_LEVEL")
+    os.environ["VLLM_LOGGING_LEVEL"] = saved or "ERROR"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+    finally:
+        if saved is None:
+            del os.environ["VLLM_LOGGING_LEVEL"]
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
     err = io.StringIO()

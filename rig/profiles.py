@@ -7,6 +7,7 @@ error that names the file and the key, not a silently ignored setting.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -70,7 +71,30 @@ def load_file(name: str, kind: str = "profile") -> ProfileFile:
         raise ProfileError(f"{path.relative_to(paths.PROFILES.parent)}: {where}") from None
     if pf.kind != kind:
         raise ProfileError(f"{path.relative_to(paths.PROFILES.parent)}: kind = {pf.kind!r}, expected {kind!r}")
+    _known_knobs(pf, path)
     return pf
+
+
+def _known_knobs(pf: ProfileFile, path: Path) -> None:
+    """A knob name no Knobs field has is a typo: name the file and line, not just the knob."""
+    from rig.knobs import Knobs
+
+    tables = [("knobs", pf.knobs), *((f"profiles.{p}.knobs", a.knobs) for p, a in pf.profiles.items())]
+    for table, knobs in tables:
+        for name in knobs:
+            if name not in Knobs.model_fields:
+                where = f"{path.relative_to(paths.PROFILES.parent)}:{_line_of(path, name)}"
+                raise ProfileError(f"{where}: unknown knob {name} in [{table}]; known knobs are "
+                                   f"{', '.join(Knobs.model_fields)}")
+
+
+def _line_of(path: Path, key: str) -> int:
+    """The first line that assigns ``key`` (1-based; 0 when it cannot be found, e.g. an inline table)."""
+    pattern = re.compile(rf"^\s*[\"']?{re.escape(key)}[\"']?\s*=")
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if pattern.match(line):
+            return n
+    return 0
 
 
 def chain(name: str) -> list[str]:

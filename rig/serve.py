@@ -127,6 +127,17 @@ def check_kernels(plan: Plan) -> None:
                              f"build of them yet); choose KV=fp8 / PREFILL_ATTN=auto")
 
 
+def check_host_memory(plan: Plan, model: Path) -> None:
+    """On CPU the KV cache is host RAM: refuse a server that would not fit what the host has free."""
+    if plan.platform != "cpu":
+        return
+    from rig.capacity import host
+
+    why = host.refusal(plan.knobs, model)
+    if why:
+        raise PreflightError(why)
+
+
 def connect_host(plan: Plan) -> str:
     """Where we reach the server: its HOST, or loopback when it binds every interface."""
     return "127.0.0.1" if plan.knobs["HOST"] in ("0.0.0.0", "::") else plan.knobs["HOST"]
@@ -144,6 +155,7 @@ def preflight(plan: Plan) -> tuple[Device, Path, Path, str]:
     if port_in_use(port, connect_host(plan)):
         raise PreflightError(f"PORT={port} is in use: stop what listens there or set PORT to a free port")
     model = ensure_model(plan)
+    check_host_memory(plan, model)
     key_path, key = ensure_api_key(plan)
     return dev, model, key_path, key
 

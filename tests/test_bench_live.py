@@ -186,10 +186,10 @@ def test_failed_requests_make_the_run_invalid_keep_the_data_and_exit_1(target, t
 def test_shared_prefix_shows_the_prefix_cache_effect(target, tmp_path, session_tmp):
     from rig.bench.servers import ServerPool
 
-    # Runs beside the session's server: a small CPU memory reservation (GPU_UTIL is the share of RAM on
-    # CPU: 0.05 = 1.2 GB) lets both fit on a shared 24 GB host; 16 requests of ~800 tokens need ~50 MB of KV.
+    # Runs beside the session's server: a small KV cache in bytes (the same on every host, never a share of
+    # its RAM) lets both fit; 16 requests of ~800 tokens need ~50 MB of KV, 512 MiB hold one MAX_LEN sequence.
     pool = ServerPool("batch", platform="cpu", environ={},
-                      sets={"API_KEY_FILE": str(session_tmp / "api_key"), "GPU_UTIL": "0.05"}, log_dir=session_tmp)
+                      sets={"API_KEY_FILE": str(session_tmp / "api_key"), "KV_MEM": "512M"}, log_dir=session_tmp)
 
     @contextmanager
     def acquire(knobs):

@@ -218,7 +218,7 @@ BAD = {
     "MAX_LEN": "10", "TOOLS": "yes", "TOOL_PARSER": "json", "PORT": "70000", "HOST": "", "GPU_UTIL": "1.0",
     "SPEC": "eagle", "SPEC_K": "0", "DRAFT_MODEL": "", "PREFILL_ATTN": "fp4", "MODEL": "", "SERVED_NAME": "",
     "API_KEY_FILE": "", "TP": "3", "PP": "0", "EXECUTOR": "slurm", "MAMBA_SSM_DTYPE": "int8",
-    "BLOCK_SIZE": "-1", "GPU_ARCH": "sm75", "ENFORCE_EAGER": "2", "KEEP_CHECKPOINTS": "yes",
+    "BLOCK_SIZE": "-1", "GPU_ARCH": "sm75", "ENFORCE_EAGER": "2", "KEEP_CHECKPOINTS": "yes", "KV_MEM": "3GB",
 }
 
 
@@ -250,3 +250,98 @@ def test_serve_refuses_bad_input_with_exit_2_and_starts_nothing(how):
     # a server of this plan would carry its unique port on its command line
     spawned = [p for p in psutil.process_iter(["cmdline"]) if str(port) in (p.info["cmdline"] or [])]
     assert spawned == []
+
+
+@pytest.mark.parametrize("text", ["0", "1024", "3G", "3g", "1.5g", "25.6k", "2T", "7M", "1.5G", "3GB", "x", "-1"])
+def test_kv_mem_reads_sizes_exactly_as_vllm_does(text):
+    import argparse
+
+    from vllm.utils.argparse_utils import human_readable_int
+
+    from rig.knobs import parse_bytes
+
+    try:
+        theirs = human_readable_int(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        theirs = None
+    ours = parse_bytes(text)
+    assert (ours if isinstance(ours, int) else None) == theirs
+
+
+def test_kv_mem_maps_to_kv_cache_memory_bytes_and_is_fixed_on_cpu():
+    cpu = resolve("batch", (), "cpu", environ={})
+    assert cpu.knobs["KV_MEM"] == 2304 * 2**20 and cpu.sources["KV_MEM"] == "overlay:cpu"
+    assert cpu.argv[cpu.argv.index("--kv-cache-memory-bytes") + 1] == str(2304 * 2**20)
+    gpu = resolve("batch", (), "gpu", environ={})
+    assert gpu.knobs["KV_MEM"] == 0 and "--kv-cache-memory-bytes" not in gpu.argv  # GPU_UTIL sizes it
+    env = resolve("batch", (), "gpu", environ={"KV_MEM": "12g"})
+    assert env.argv[env.argv.index("--kv-cache-memory-bytes") + 1] == "12000000000"
+    check_with_vllm(env.argv)
+
+
+def test_empty_int8_layers_is_refused_naming_the_ways_to_say_none_and_all():
+    with pytest.raises(PlanError) as e:
+        resolve("batch", (), "gpu", environ={}, sets={"INT8_LAYERS": ""})
+    msg = e.value.messages[0]
+    assert msg.startswith("INT8_LAYERS=''") and "INT8_ACT=''" in msg and "'.'" in msg
+
+
+def test_unknown_knob_in_a_profile_file_names_the_file_and_line(tmp_path, monkeypatch):
+    shutil.copytree(paths.PROFILES, tmp_path / "profiles")
+    monkeypatch.setattr(paths, "PROFILES", tmp_path / "profiles")
+    (tmp_path / "profiles" / "mine.toml").write_text('schema_version = 1\nkind = "profile"\ndescription = "m"\n'
+                                                     'extends = "batch"\n\n[knobs]\nMAX_SEQS = 8\nPREFIX_CAHCE = 1\n')
+    with pytest.raises(PlanError, match=r"profiles/mine.toml:8: unknown knob PREFIX_CAHCE in \[knobs\]"):
+        resolve("mine", (), "cpu", environ={})
+    ov = tmp_path / "profiles" / "overlays" / "cpu.toml"
+    ov.write_text(ov.read_text() + "\n[profiles.batch.knobs]\nKV_MEMORY = 1\n")
+    line = ov.read_text().splitlines().index("KV_MEMORY = 1") + 1
+    where = rf"overlays/cpu.toml:{line}: unknown knob KV_MEMORY in \[profiles.batch.knobs\]"
+    with pytest.raises(PlanError, match=where):
+        resolve("batch", (), "cpu", environ={})
+
+
+PRETEND_RAM = """
+import os, psutil
+from collections import namedtuple
+_real = psutil.virtual_memory
+def _small():
+    v = _real()
+    return v._replace(total=v.total // {div}, available=v.available // {div}, free=v.free // {div})
+psutil.virtual_memory = _small
+_sysconf = os.sysconf
+os.sysconf = lambda n: _sysconf(n) // {div} if n in ("SC_PHYS_PAGES", "SC_AVPHYS_PAGES") else _sysconf(n)
+"""
+
+
+@pytest.mark.parametrize("div", [1, 3])
+def test_dry_run_plan_is_the_golden_one_whatever_ram_the_host_has(tmp_path, div):
+    """`inv serve --dry-run` on CPU prints the golden plan also when the host pretends a third of its RAM."""
+    (tmp_path / "sitecustomize.py").write_text(PRETEND_RAM.format(div=div))
+    env = {k: v for k, v in os.environ.items() if k not in ("RIG_STATE_DIR", "RIG_MODELS_DIR")}
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    probe = subprocess.run([sys.executable, "-c", "import psutil; print(psutil.virtual_memory().total)"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert int(probe.stdout) == psutil.virtual_memory().total // div  # the pretence took
+    r = subprocess.run([str(Path(sys.executable).with_name("inv")), "serve", "--profile", "batch", "--dry-run",
+                        "--json", "--platform", "cpu"], cwd=paths.ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (GOLDEN / "batch__cpu.json").read_text()
+
+
+def test_cpu_preflight_refuses_a_server_the_host_cannot_hold_before_starting_it():
+    from rig.capacity import host
+
+    knobs = resolve("batch", (), "cpu", environ={}).knobs
+    why = host.refusal(knobs, Path("/nonexistent"), have=2 * 2**30)
+    assert why.startswith("this host has 2.0 GiB of memory available, the server needs")
+    assert "KV_MEM 2.25" in why and "lower KV_MEM" in why
+    assert host.refusal(knobs, Path("/nonexistent"), have=64 * 2**30) is None
+    port = free_port()
+    r = subprocess.run([str(Path(sys.executable).with_name("inv")), "serve", "--profile", "batch", "--platform",
+                        "cpu", "--set", f"PORT={port}", "--set", "KV_MEM=900T"], cwd=paths.ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "rig: error: this host has" in r.stderr and "KV_MEM 921600.00" in r.stderr
+    assert not port_in_use(port)

@@ -77,3 +77,33 @@ def test_server_runs_in_its_own_process_group_in_the_callers_session(batch_serve
     pid = batch_server.proc.pid
     assert os.getpgid(pid) == pid != os.getpgid(0)
     assert os.getsid(pid) == os.getsid(0)
+
+
+def test_cpu_pool_is_fixed_in_bytes_and_holds_every_seat_at_full_length(batch_server):
+    """KV_MEM makes the pool a property of the plan, not of the host: the log's pool is the same on any
+    machine, holds MAX_SEQS sequences of MAX_LEN tokens, and the logged KV size is exactly KV_MEM."""
+    import re
+
+    from rig.plan import resolve
+
+    knobs = resolve("batch", (), "cpu", environ={}).knobs
+    log = batch_server.log_path.read_text(errors="replace")
+    explicit = re.search(r"Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache", log)
+    assert explicit, "the worker did not log an explicit KV size: --kv-cache-memory-bytes did not reach it"
+    assert float(explicit.group(1)) == round(knobs["KV_MEM"] / 2**30, 2)
+    pool = int(re.search(r"KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+    assert pool >= knobs["MAX_SEQS"] * knobs["MAX_LEN"]
+
+
+def test_a_live_cpu_server_stays_within_what_preflight_reserves_for_it(batch_server):
+    """The preflight's host-memory estimate (model + KV_MEM + measured overhead) is an upper bound."""
+    import psutil
+
+    from rig.capacity import host
+    from rig.plan import resolve
+
+    knobs = resolve("batch", (), "cpu", environ={}).knobs
+    root = psutil.Process(batch_server.proc.pid)
+    rss = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+    need = host.need(knobs, batch_server.log_path.parent / "no-model")  # the model's 17 MiB aside
+    assert rss <= need.total, f"server RSS {rss / 2**30:.2f} GiB > preflight's {need.describe()}"
