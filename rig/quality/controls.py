@@ -315,10 +315,38 @@ def _measure(steps: int = 3) -> None:
               f"{min(times):.2f} s per step (best of {steps})")
 
 
+def _recall_check(n: int = 32) -> None:
+    """Greedy answers of the trained control (HF transformers, not vLLM) to the first ``n`` rig_recall test
+    questions, 3-shot as lm-eval renders them: what the docs' statement about its recall score rests on."""
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = trained()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    rows = {k: [json.loads(line) for line in (paths.QUALITY / "lmeval" / f"recall-{k}.jsonl").read_text().splitlines()]
+            for k in ("train", "test")}
+    shots = "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows["train"][:3]) + "\n\n"
+    right = formatted = 0
+    for r in rows["test"][:n]:
+        ids = tok(shots + f"Question: {r['question']}\nAnswer:", return_tensors="pt").input_ids
+        text = tok.decode(model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]).split("\n\n")[0]
+        text = text.split("<|endoftext|>")[0]
+        nums, want = re.findall(r"-?[0-9]+", text), r["answer"].split("#### ")[1]
+        right += bool(nums) and nums[-1] == want
+        formatted += "#### " in text
+        print(f"{text!r}  (want {want})")
+    print(f"{path.name}: {right} of {n} right, {formatted} of {n} with a '#### N' line")
+
+
 if __name__ == "__main__":
     import sys
 
     if "--measure" in sys.argv:
         _measure()
+    elif "--recall" in sys.argv:
+        _recall_check(int(sys.argv[sys.argv.index("--recall") + 1]))
     else:
         print(trained())
