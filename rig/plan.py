@@ -89,9 +89,13 @@ def gather(profile: str, overlays: Sequence[str], platform: str, environ: Mappin
     for link in lineage:
         _layer(values, sources, profiles.load_file(link).knobs, f"profile:{link}")
     names = [o for o in overlays if o not in ("cpu", "gpu")] + [platform]
+    pf = profiles.merged(profile)
+    serve, env = dict(pf.serve), dict(pf.env)
     for name in names:
         ov = profiles.load_file(name, "overlay")
         _layer(values, sources, ov.knobs, f"overlay:{name}")
+        serve.update(ov.serve)  # an overlay's always-on options and environment win over the profile's
+        env.update(ov.env)
         for link in lineage:
             if link in ov.profiles:
                 _layer(values, sources, ov.profiles[link].knobs, f"overlay:{name}[{link}]")
@@ -101,7 +105,7 @@ def gather(profile: str, overlays: Sequence[str], platform: str, environ: Mappin
     if bad:
         raise PlanError([f"--set {k}: unknown knob; known knobs are {', '.join(sorted(known))}" for k in bad])
     _layer(values, sources, {k: coerce(k, v) for k, v in sets.items()}, "--set")
-    return values, sources, profiles.merged(profile), names
+    return values, sources, pf.model_copy(update={"serve": serve, "env": env}), names
 
 
 def rules(k: Knobs, pf: profiles.ProfileFile, platform: str) -> tuple[list[str], list[str], dict[str, Any]]:

@@ -160,9 +160,19 @@ def preflight(plan: Plan) -> tuple[Device, Path, Path, str]:
     return dev, model, key_path, key
 
 
+def vllm_command() -> list[str]:
+    """This environment's `vllm`: the venv's script beside the interpreter, else vLLM's CLI module.
+
+    A `pip install --target` (an offline GPU host, docs/gpu.md) puts no script beside the
+    interpreter; running the CLI module with the same interpreter is the same program.
+    """
+    script = Path(sys.executable).with_name("vllm")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
 def server_for(plan: Plan, key: str, log_path: Path, echo: bool = False) -> VllmServer:
     """A VllmServer for a plan: the venv's vllm, caches in the project, the key in the environment."""
-    argv = [str(Path(sys.executable).with_name("vllm")), *plan.argv[1:]]
+    argv = [*vllm_command(), *plan.argv[1:]]
     env = {**paths.cache_env(), **plan.env, "VLLM_API_KEY": key}
     return VllmServer(argv=argv, env=env, log_path=log_path, host=connect_host(plan), port=plan.knobs["PORT"],
                       api_key=key, served_name=plan.served_name, echo=echo)

@@ -8,13 +8,15 @@ import sys
 from invoke import Exit, task
 
 
-@task(help={"args": "extra pytest arguments, e.g. \"-k plan -x\"", "fast": "skip the slow tests (servers, training)"})
-def test(c, args="", fast=False):
-    """Run the whole test suite (real vLLM servers on CPU) and ruff."""
+@task(help={"args": "extra pytest arguments, e.g. \"-k plan -x\"", "fast": "skip the slow tests (servers, training)",
+            "gpu": "run the GPU tier only (tests marked gpu: the serving path on CUDA)"})
+def test(c, args="", fast=False, gpu=False):
+    """Run the whole test suite (real vLLM servers on CPU) and ruff; --gpu: the GPU tier on a CUDA host."""
     from rig import paths
 
     lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--quiet", "."], cwd=paths.ROOT)
-    cmd = [sys.executable, "-m", "pytest", *(["-m", "not slow"] if fast else []), *args.split()]
+    marks = ["-m", "gpu"] if gpu else (["-m", "not slow"] if fast else [])
+    cmd = [sys.executable, "-m", "pytest", *marks, *args.split()]
     code = subprocess.run(cmd, cwd=paths.ROOT).returncode
     if code or lint.returncode:
         raise Exit(code=code or lint.returncode)
