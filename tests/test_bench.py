@@ -140,10 +140,30 @@ def test_spec_counters_give_tokens_per_step():
 
 
 def test_raw_sanity_rule():
-    assert raw_sanity(1.02, 0.25, 0) == []
-    assert "sanity rule broken" in raw_sanity(4.8, 0.25, 0)[0]
-    assert "unmeasured" in raw_sanity(None, 0.25, 0)[0]
-    assert "speculative decoding was active" in raw_sanity(1.0, 0.25, 12)[0]
+    assert raw_sanity(1.02, 0.25, 0, 1.0) == []
+    assert "sanity rule broken: TG per stream" in raw_sanity(4.8, 0.25, 0, 1.0)[0]
+    assert "unmeasured" in raw_sanity(None, 0.25, 0, 1.0)[0]
+    assert "speculative decoding was active" in raw_sanity(1.0, 0.25, 12, 1.0)[0]
+    # the client's figure alone cannot pass the rule: the engine's own count must agree
+    assert "the server's tokens per engine step = 2.00" in raw_sanity(1.0, 0.25, 0, 2.0)[0]
+    assert "the server's tokens per engine step = unmeasured" in raw_sanity(1.0, 0.25, 0)[0]
+
+
+def test_server_view_from_histogram_counters():
+    from rig.bench.metrics import Counters, parse
+
+    text = "\n".join([
+        'vllm:generation_tokens_total{model_name="m"} 640.0',
+        'vllm:time_to_first_token_seconds_count{model_name="m"} 10.0',
+        'vllm:inter_token_latency_seconds_count{model_name="m"} 210.0',
+        'vllm:request_time_per_output_token_seconds_sum{model_name="m"} 0.5',
+        'vllm:request_time_per_output_token_seconds_count{model_name="m"} 10.0',
+        'vllm:request_time_per_output_token_seconds_bucket{le="0.01",model_name="m"} 10.0'])
+    c = Counters(parse(text))
+    assert c.deltas["itl_n"] == 210 and "tpot_bucket" not in c.deltas
+    assert c.server_tokens_per_round() == pytest.approx((640 - 10) / 210)  # 3 tokens a step: speculation
+    assert c.server_tpot_ms() == pytest.approx(50.0)
+    assert Counters({}).server_tokens_per_round() is None and Counters({}).server_tpot_ms() is None
 
 
 def test_summary_is_median_and_spread_of_kept_passes_only():

@@ -12,18 +12,11 @@ import psutil
 import pytest
 
 from rig import paths, profiles
+from rig.golden import CASES, GOLDEN, case_id
+from rig.golden import path as golden_path
 from rig.knobs import Knobs
 from rig.plan import PlanError, check_with_vllm, resolve
 from rig.server import free_port, port_in_use
-
-GOLDEN = Path(__file__).parent / "golden" / "plans"
-# Every profile x overlay combination the docs show (docs/profiles.md).
-CASES = [
-    ("batch", (), "cpu"), ("single-user", (), "cpu"), ("kvarn", (), "cpu"), ("batch", ("quality",), "cpu"),
-    ("batch", (), "gpu"), ("single-user", (), "gpu"), ("kvarn", (), "gpu"),
-    ("batch", ("tp2",), "gpu"), ("batch", ("tp4",), "gpu"), ("batch", ("quality",), "gpu"),
-    ("batch", ("multinode",), "gpu"), ("single-user", ("tp2",), "gpu"),
-]
 
 
 @pytest.fixture(autouse=True)
@@ -33,22 +26,41 @@ def _default_state_dir(monkeypatch):
     monkeypatch.delenv("RIG_MODELS_DIR", raising=False)
 
 
-def case_id(profile: str, overlays: tuple[str, ...], platform: str) -> str:
-    return "__".join([profile, *overlays, platform])
-
-
 @pytest.mark.parametrize("profile, overlays, platform", CASES, ids=[case_id(*c) for c in CASES])
 def test_plan_matches_golden_file(profile, overlays, platform):
     plan = resolve(profile, overlays, platform, environ={})
-    golden = GOLDEN / f"{case_id(profile, overlays, platform)}.json"
-    if os.environ.get("RIG_UPDATE_GOLDEN") == "1":
-        golden.write_text(plan.to_json())
-    assert golden.exists(), f"missing {golden}; generate with RIG_UPDATE_GOLDEN=1"
-    assert plan.to_json() == golden.read_text()
+    golden = golden_path(profile, overlays, platform)
+    assert golden.exists(), f"missing {golden}; after an intended change, write it with `inv golden`"
+    assert plan.to_json() == golden.read_text(), f"{golden.name} differs; after an intended change: `inv golden`"
 
 
 def test_golden_plans_cover_exactly_the_cases():
     assert sorted(p.stem for p in GOLDEN.glob("*.json")) == sorted(case_id(*c) for c in CASES)
+
+
+def test_the_golden_test_never_writes_its_files(tmp_path, monkeypatch):
+    """The old RIG_UPDATE_GOLDEN=1 made the test write the file it then compared with: it could not fail."""
+    from rig import golden
+
+    monkeypatch.setattr(golden, "GOLDEN", tmp_path)
+    monkeypatch.setenv("RIG_UPDATE_GOLDEN", "1")
+    tampered = golden_path("batch", (), "cpu")
+    tampered.write_text(resolve("batch", (), "cpu", environ={}).to_json().replace('"batch"', '"tampered"'))
+    with pytest.raises(AssertionError, match="differs"):
+        test_plan_matches_golden_file("batch", (), "cpu")
+    assert "tampered" in tampered.read_text()
+
+
+def test_inv_golden_writes_what_the_test_compares(tmp_path, monkeypatch):
+    from rig import golden
+
+    monkeypatch.setattr(golden, "GOLDEN", tmp_path)
+    (tmp_path / "stale.json").write_text("{}")
+    changed = golden.write_all()
+    assert "stale.json (deleted)" in changed and len(changed) == len(CASES) + 1
+    for case in CASES:
+        assert (tmp_path / f"{case_id(*case)}.json").read_text() == resolve(*case, environ={}).to_json()
+    assert golden.write_all() == []
 
 
 def test_same_inputs_give_byte_identical_plans_in_a_fresh_process():
@@ -90,6 +102,17 @@ def test_precedence_profile_overlay_env_set():
     assert plan.knobs["GPU_UTIL"] == 0.93
     cpu = resolve("batch", ("quality",), "cpu", environ={})
     assert cpu.knobs["GPU_UTIL"] == 0.3 and cpu.sources["GPU_UTIL"] == "overlay:cpu"
+
+
+def test_kvarn_on_cpu_states_the_context_the_tiny_model_has():
+    from rig.models.tiny import TinySpec
+
+    plan = resolve("kvarn", (), "cpu", environ={})
+    assert plan.knobs["MAX_LEN"] == TinySpec().max_position_embeddings == 32768
+    assert plan.sources["MAX_LEN"] == "overlay:cpu[kvarn]"  # stated for kvarn, not inherited from batch's line
+    argv = plan.argv
+    assert argv[argv.index("--max-model-len") + 1] == "32768"
+    assert resolve("kvarn", (), "gpu", environ={}).knobs["MAX_LEN"] == 262144
 
 
 def test_prefix_cache_zero_really_turns_it_off():

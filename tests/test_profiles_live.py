@@ -112,12 +112,20 @@ def test_vllm_cpu_backend_fails_speculative_decoding_on_the_hybrid_model(session
         server.stop()
 
 
-def test_kvarn_profile_on_cpu_keeps_its_context_length(session_tmp):
+def test_kvarn_profile_on_cpu_serves_the_tiny_models_whole_context(session_tmp, tiny_model):
+    """kvarn's 262144 tokens need the real model; on CPU it serves the tiny model's whole context, and the
+    server says so itself (/v1/models reports the max_model_len it runs with)."""
+    import json
+
     plan = cpu_plan("kvarn", session_tmp)
     assert plan.knobs["KV"] == "auto" and plan.sources["KV"] == "overlay:cpu[kvarn]"
+    longest = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    assert plan.knobs["MAX_LEN"] == longest == 32768 and plan.sources["MAX_LEN"] == "overlay:cpu[kvarn]"
     server = start_server(plan, session_tmp)
     pids = server.pids()
     try:
+        models = httpx.get(f"{server.url}/v1/models", headers=server.headers(), timeout=30).json()["data"]
+        assert [m["max_model_len"] for m in models] == [longest]
         assert chat(server.url, server.headers(), server.served_name).status_code == 200
     finally:
         server.stop()

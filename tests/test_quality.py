@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -78,8 +79,30 @@ def test_shipped_arithmetic_task_equals_its_generator():
         assert str(eval(steps.split("=")[-1].strip(" ."))) == answer  # noqa: S307 - our own arithmetic
 
 
-def test_lm_eval_accepts_the_shipped_task_yaml():
-    r = subprocess.run([sys.executable, "-m", "lm_eval", "validate", "--tasks", "rig_arith",
+def test_shipped_recall_task_equals_its_generator_and_training_holds_its_test_out():
+    import random
+
+    from rig.quality import controls
+
+    assert (paths.QUALITY / "lmeval" / "recall-test.jsonl").read_text() == lmeval.recall_problems(*lmeval.RECALL_TEST)
+    assert (paths.QUALITY / "lmeval" / "recall-train.jsonl").read_text() == lmeval.recall_problems(2023, 8)
+    test = [json.loads(line) for line in (paths.QUALITY / "lmeval" / "recall-test.jsonl").read_text().splitlines()]
+    for row in test:  # the answer is a number the question states, for the item it asks about
+        n = row["answer"].split("\n#### ")[1]
+        item = row["question"].split("How many ")[1].split(" ")[0]
+        assert f" {n} {item}" in row["question"], row
+    docs = controls.documents(controls.RECIPE, lambda messages, tools: "chat")
+    shots = [d for d in docs if d.startswith("Question: ")]
+    assert len(shots) > 1000
+    seen = {line[len("Question: "):] for d in shots for line in d.splitlines() if line.startswith("Question: ")}
+    assert not seen & {r["question"] for r in test}
+    rng = random.Random(3)
+    assert lmeval.recall_shots(rng).count("Question: ") == 4
+
+
+@pytest.mark.parametrize("task", ["rig_arith", "rig_recall"])
+def test_lm_eval_accepts_the_shipped_task_yaml(task):
+    r = subprocess.run([sys.executable, "-m", "lm_eval", "validate", "--tasks", task,
                         "--include_path", str(paths.QUALITY / "lmeval")], cwd=paths.ROOT, capture_output=True,
                        text=True, env={**paths.cache_env(), "PATH": "/usr/bin:/bin"}, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -181,9 +204,11 @@ def test_battery_refuses_a_plan_that_undoes_the_overlay_before_starting(tmp_path
 # ---- gates -------------------------------------------------------------------------------------
 
 
-def _result(ppl: float, score: float = 50.0, greedy_flagged: int = 0, sampled_flagged: int = 0) -> dict:
+def _result(ppl: float, score: float = 60.0, greedy_flagged: int = 0, sampled_flagged: int = 0,
+            format_pct: float | None = 100.0) -> dict:
     return {
-        "battery": "tiny", "lmeval": {"task": "rig_arith", "limit": 8, "score": score},
+        "battery": "tiny", "lmeval": {"task": "rig_recall", "limit": 16, "score": score,
+                                      "filter": "flexible-extract", "format_pct": format_pct},
         "perplexity": {"overall": ppl, "domains": {"english": ppl}, "sets": [{"name": "s", "sha256": "h"}]},
         "garbage": {"greedy": {"total": 5, "flagged": greedy_flagged}, "sampled": {"total": 10,
                                                                                    "flagged": sampled_flagged}},
@@ -192,18 +217,23 @@ def _result(ppl: float, score: float = 50.0, greedy_flagged: int = 0, sampled_fl
 
 
 GATES = suite.gates_for("batch")
+FLOORS = suite.SuiteFloors(ppl_max=20.0, lmeval_min=50.0, lmeval_format_min=90.0)  # every kind of floor
 
 
-def _verdicts(result, ref=None, is_ref=False) -> dict[str, bool]:
-    return {g.name: g.passed for g in gates.judge(result, GATES, ref, is_ref)}
+def _judged(result, ref=None, is_ref=False) -> list:
+    return gates.judge(result, GATES, FLOORS, ref, is_ref)
+
+
+def _verdicts(result, ref=None, is_ref=False) -> dict[str, bool | None]:
+    return {g.name: g.passed for g in _judged(result, ref, is_ref)}
 
 
 def test_relative_gates_follow_the_thresholds():
     ref = _result(10.0, 60.0)
     assert all(_verdicts(_result(10.4, 58.5), ref).values())  # +4.0 %, -1.5 points
     v = _verdicts(_result(10.5, 57.0), ref)  # +5.0 %, -3 points
-    assert not v["ppl.overall.relative"] and not v["lmeval.score"]
-    assert v["ppl.overall.absolute"]
+    assert not v["ppl.overall.relative"] and not v["lmeval.relative"]
+    assert v["ppl.overall.absolute"] and v["lmeval.absolute"]
 
 
 def test_int8_rows_of_the_reference_pass_and_worse_fails():
@@ -213,16 +243,82 @@ def test_int8_rows_of_the_reference_pass_and_worse_fails():
     assert not _verdicts(_result(7.0 * 1.05), ref)["ppl.overall.relative"]
 
 
-def test_no_reference_fails_unless_this_run_is_the_reference():
+def test_no_reference_fails_the_relative_gates():
     v = _verdicts(_result(5.0))
-    assert not v["ppl.overall.relative"] and not v["lmeval.score"]
-    assert all(_verdicts(_result(5.0), is_ref=True).values())
+    assert not v["ppl.overall.relative"] and not v["lmeval.relative"]
+    assert gates.verdict(_judged(_result(5.0))) == (False, "failed: ppl.overall.relative, lmeval.relative")
+    assert gates.verdict(_judged(_result(5.0), _result(5.0))) == (True, "every gate passed")
+
+
+def test_a_reference_run_says_reference_and_is_judged_on_its_absolute_gates_only():
+    judged = {g.name: g for g in _judged(_result(5.0), is_ref=True)}
+    for name in ("ppl.overall.relative", "lmeval.relative"):
+        assert judged[name].passed is None and judged[name].verdict == "reference"
+        assert judged[name].to_json()["verdict"] == "reference"
+    assert judged["ppl.overall.absolute"].verdict == "pass"
+    assert gates.verdict(list(judged.values()))[1].startswith("every absolute gate passed; relative gates not judged")
+    # what --save-reference used to pass whatever the numbers: a near-uniform model scoring 0
+    bad = _judged(_result(2000.0, score=0.0, format_pct=0.0), is_ref=True)
+    assert gates.verdict(bad) == (False, "failed: ppl.overall.absolute, lmeval.absolute, lmeval.format")
 
 
 def test_absolute_gates():
-    v = _verdicts(_result(2000.0, greedy_flagged=1, sampled_flagged=2), is_ref=True)
+    v = _verdicts(_result(2000.0, score=0.0, greedy_flagged=1, sampled_flagged=2), is_ref=True)
     assert not v["ppl.overall.absolute"] and not v["garbage.greedy"] and not v["garbage.sampled"]
+    assert not v["lmeval.absolute"]
     assert _verdicts(_result(5.0, sampled_flagged=1), is_ref=True)["garbage.sampled"]  # 10 % allowed
+    assert _verdicts(_result(20.0, score=50.0))["ppl.overall.absolute"] and _verdicts(_result(20.0, score=50.0))[
+        "lmeval.absolute"]  # the floors themselves pass
+    assert not _verdicts(_result(20.1, score=43.75))["ppl.overall.absolute"]
+    assert not _verdicts(_result(20.1, score=43.75))["lmeval.absolute"]
+    assert _verdicts(_result(5.0, format_pct=90.0))["lmeval.format"]
+    assert not _verdicts(_result(5.0, format_pct=87.5))["lmeval.format"]
+    assert not _verdicts(_result(5.0, format_pct=None))["lmeval.format"]  # not measured is not a pass
+
+
+def test_every_perplexity_and_lmeval_suite_has_an_absolute_floor():
+    floors = suite.load("gates").floors
+    assert set(floors.perplexity) == set(suite.load("perplexity").suites)
+    assert set(floors.lmeval) | set(floors.lmeval_format) == set(suite.load("lmeval").suites)
+    # which suite has which floor (docs/quality.md): the real model's score, the tiny models' format
+    assert floors.lmeval == {"gsm8k": 90.0, "arith": 80.0} and floors.lmeval_format == {"recall-tiny": 90.0}
+    for name in suite.load("battery").batteries:
+        res = suite.resolve(name)
+        assert res.floors.ppl_max == floors.perplexity[res.battery.perplexity]
+        assert res.floors.lmeval_min == floors.lmeval.get(res.battery.lmeval)
+        assert res.floors.lmeval_format_min == floors.lmeval_format.get(res.battery.lmeval)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace("corpus = 20.0\n", ""), "suite 'corpus' of quality/perplexity.toml has no floor"),
+    (lambda t: t.replace("recall-tiny = 90.0", "recall-tiny = 0.0"),
+     "[floors.lmeval_format] recall-tiny = 0.0: expected points in (0, 100]"),
+    (lambda t: t.replace("recall-tiny = 90.0", ""), "suite 'recall-tiny' of quality/lmeval.toml has no floor"),
+    (lambda t: t.replace("arith = 80.0", "arith = 0.0"), "[floors.lmeval] arith = 0.0: expected points"),
+    (lambda t: t + "nope = 5.0\n", "[floors.lmeval_format] 'nope': no such suite"),
+])
+def test_a_missing_or_hollow_floor_is_refused_before_anything_runs(tmp_path, edit, message):
+    shutil.copytree(paths.QUALITY, tmp_path / "q")
+    f = tmp_path / "q" / "gates.toml"
+    f.write_text(edit(f.read_text()))
+    with pytest.raises(suite.SuiteError, match=re.escape(message)):
+        suite.resolve("tiny", tmp_path / "q")
+
+
+def test_a_failing_run_is_not_saved_as_the_reference(tmp_path):
+    from rig.quality import battery
+
+    bad = _result(2000.0, score=0.0, format_pct=0.0)
+    bad.update(model={"name": "m"})
+    bad["passed"], bad["summary"] = gates.verdict(_judged(bad, is_ref=True))
+    lines = []
+    assert battery.save_as_reference(bad, tmp_path / "ref.json", lines.append) is False
+    assert not (tmp_path / "ref.json").exists() and "NOT saved as the reference" in lines[0]
+    good = _result(5.0)
+    good.update(model={"name": "m"})
+    good["passed"], good["summary"] = gates.verdict(_judged(good, is_ref=True))
+    assert battery.save_as_reference(good, tmp_path / "ref.json", lines.append) is True
+    assert json.loads((tmp_path / "ref.json").read_text())["passed"] is True
 
 
 def test_a_reference_on_other_text_is_refused():
@@ -241,8 +337,9 @@ def _full(ppl=5.0) -> dict:
              digest={"digest": "ab" * 32, "prompts": 4, "max_tokens": 32})
     r["perplexity"]["sets"] = [{"name": "s", "domain": "english", "windows": 4, "tokens": 1196, "ppl": ppl,
                                 "origin": "corpus", "sha256": "h" * 64}]
-    judged = gates.judge(r, GATES, None, is_ref=True)
-    r.update(gates=[g.to_json() for g in judged], passed=True, summary="every gate passed")
+    judged = _judged(r, is_ref=True)
+    passed, summary = gates.verdict(judged)
+    r.update(gates=[g.to_json() for g in judged], passed=passed, summary=summary)
     return r
 
 
@@ -253,7 +350,9 @@ def test_docs_section_is_replaced_between_markers(tmp_path):
     report.update_docs(_full(6.0), doc)
     text = doc.read_text()
     assert text.count(report.BEGIN) == 1 and "old" not in text and "intro" in text and "after" in text
-    assert "| ppl.overall.absolute | 6 |" in text
+    assert "| ppl.overall.absolute | 6 | <= 20 | PASS |" in text
+    assert "| ppl.overall.relative | 6 | <= ref x 1.045 | REFERENCE |" in text
+    assert "**PASS (REFERENCE)** (every absolute gate passed; relative gates not judged" in text
 
 
 def test_result_json_is_written_atomically(tmp_path):

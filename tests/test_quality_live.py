@@ -28,8 +28,12 @@ def _plan(tmp: Path, **sets: str) -> Plan:
     return resolve("batch", ["quality"], platform="cpu", environ={}, sets={**base, **sets})
 
 
-def _gates(result: dict) -> dict[str, bool]:
+def _gates(result: dict) -> dict[str, bool | None]:
+    """Gate -> passed (None: a relative gate of the reference run, not judged)."""
     return {g["name"]: g["passed"] for g in result["gates"]}
+
+
+FLOORS = suite.resolve("tiny").floors
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +44,7 @@ def trained_model() -> Path:
 @pytest.fixture(scope="module")
 def random_result(batch_server, session_tmp) -> dict:
     plan = _plan(session_tmp, SERVED_NAME=batch_server.served_name)
-    return battery.run(plan, "tiny-quick", url=batch_server.url, key=batch_server.api_key,
+    return battery.run(plan, "tiny", url=batch_server.url, key=batch_server.api_key,
                        results_root=session_tmp / "results")
 
 
@@ -56,28 +60,38 @@ def trained_result(trained_model, session_tmp, reference_file) -> dict:
                        results_root=session_tmp / "results")
 
 
-def test_random_model_fails_garbage_and_perplexity(random_result):
+def test_random_model_fails_every_absolute_floor(random_result):
     g = _gates(random_result)
     assert random_result["server"]["started_by"] == "external"
     assert not g["garbage.greedy"] and not g["garbage.sampled"]
-    assert not g["ppl.overall.absolute"]
-    assert not g["ppl.overall.relative"]  # no reference for it either
+    assert not g["ppl.overall.absolute"] and random_result["perplexity"]["overall"] > FLOORS.ppl_max
+    assert FLOORS.lmeval_min is None  # the tiny task's floor is its format (quality/gates.toml says why)
+    assert not g["lmeval.format"] and random_result["lmeval"]["format_pct"] < FLOORS.lmeval_format_min
+    assert not g["ppl.overall.relative"] and not g["lmeval.relative"]  # no reference for it either
     assert random_result["passed"] is False
     assert Path(random_result["path"]).is_file()
 
 
 def test_same_server_same_digest(batch_server, random_result):
     again = digest.run(Client(batch_server.url, batch_server.api_key, batch_server.served_name),
-                       suite.resolve("tiny-quick").digest)
+                       suite.resolve("tiny").digest)
     assert again["digest"] == random_result["digest"]["digest"]
 
 
-def test_trained_model_passes(trained_result, random_result):
+def test_trained_model_passes_every_absolute_gate_on_its_merits(trained_result, random_result):
     g = _gates(trained_result)
     assert trained_result["server"]["started_by"] == "rig"
     assert g["garbage.greedy"] and g["garbage.sampled"] and g["ppl.overall.absolute"], trained_result["gates"]
+    assert g["lmeval.format"] and trained_result["lmeval"]["format_pct"] >= FLOORS.lmeval_format_min, \
+        trained_result["lmeval"]
     assert g["toolcall.parsed"], trained_result["toolcall"]
+    # the reference run judges nothing relative: its relative gates say "reference", not "pass"
+    verdicts = {x["name"]: x["verdict"] for x in trained_result["gates"]}
+    assert verdicts["ppl.overall.relative"] == verdicts["lmeval.relative"] == "reference"
+    assert g["ppl.overall.relative"] is None and g["lmeval.relative"] is None
     assert trained_result["passed"], trained_result["summary"]
+    assert trained_result["summary"].startswith("every absolute gate passed; relative gates not judged")
+    assert trained_result["reference"]["saved"] is True
     for case in trained_result["toolcall"]["cases"]:
         assert case["tool_calls"][0]["name"] == "get_weather"
         assert "city" in json.loads(case["tool_calls"][0]["arguments"])
@@ -86,14 +100,23 @@ def test_trained_model_passes(trained_result, random_result):
         assert mine[domain] * 20 < theirs[domain], (domain, mine[domain], theirs[domain])
 
 
-def test_lm_eval_ran_against_the_server(trained_result):
+def test_lm_eval_ran_against_the_server_and_its_score_is_the_samples(trained_result):
     lm = trained_result["lmeval"]
-    assert lm["task"] == "rig_arith" and lm["limit"] == 8
+    assert lm["task"] == "rig_recall" and lm["limit"] == 16 and lm["filter"] == "flexible-extract"
     assert set(lm["scores"]) == {"strict-match", "flexible-extract"}
-    samples = list(Path(lm["samples_dir"]).glob("samples_rig_arith_*.jsonl"))
+    samples = list(Path(lm["samples_dir"]).glob("samples_rig_recall_*.jsonl"))
     rows = [json.loads(line) for line in samples[0].read_text().splitlines()]
-    assert {r["doc_id"] for r in rows} == set(range(8))  # one row per question and filter
+    assert {r["doc_id"] for r in rows} == set(range(16))  # one row per question and filter
     assert all(r["resps"][0][0] for r in rows)  # the server answered every question
+    flexible = [r for r in rows if r["filter"] == "flexible-extract"]
+    strict = [r for r in rows if r["filter"] == "strict-match"]
+    right = sum(r["exact_match"] for r in flexible)
+    formatted = sum("#### " in r["resps"][0][0] for r in strict)
+    print(f"\nrig_recall: {right:g} of {len(flexible)} right (flexible-extract), {formatted} of {len(strict)} "
+          f"with a '#### N' line; e.g. {flexible[0]['resps'][0][0]!r}")
+    # the gated numbers are the samples' own: the score, and the format share from the raw answers
+    assert lm["score"] == pytest.approx(100 * right / len(flexible))
+    assert lm["format_pct"] == pytest.approx(100 * formatted / len(strict))
 
 
 def test_degraded_copy_fails_the_relative_gate(trained_model, trained_result, reference_file, session_tmp):

@@ -1,9 +1,10 @@
 """`inv bench.compare A B`: the differences between two runs of one protocol, when they are comparable.
 
-Two runs compare when their fingerprints (``rig.fingerprint.comparable_keys``: rig commit,
-packages, locks, GPUs, patch files, knobs) and their scale agree in everything but the one knob
-under test. PORT and API_KEY_FILE are left out: they say where a server listens, not what it
-computes. Anything else differing is refused with the list of differences, unless ``force``.
+Two runs compare when their fingerprints (``rig.fingerprint.comparable_keys``: rig commit and its
+uncommitted changes, packages, locks, GPUs, patch files, knobs) and their scale agree in everything
+but the one knob under test. PORT and API_KEY_FILE are left out: they say where a server listens,
+not what it computes. Anything else differing is refused with the list of differences, unless ``force``. A run
+of uncommitted code compares only with a run of the same changes, and the header says so.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from rig.bench.results import RunResult
-from rig.fingerprint import comparable_keys
+from rig.fingerprint import comparable_keys, uncommitted
 
 INERT_KNOBS = ("PORT", "API_KEY_FILE")
 
@@ -54,6 +55,8 @@ def check(a: RunResult, b: RunResult, force: bool = False) -> list[str]:
                            + "\n  ".join(problems) + "\nre-run one of them, or pass --force to compare anyway")
     if problems:
         head += [f"FORCED despite: {p}" for p in problems]
+    head += [f"NOTE: {side} was {line}: not a committed state of rig" for side, r in (("A", a), ("B", b))
+             if (line := uncommitted(r.fingerprint))]
     if not (a.valid and b.valid):
         head.append(f"WARNING: invalid run(s): A valid={a.valid}, B valid={b.valid}")
     return head

@@ -10,7 +10,9 @@ prefill finished, no request left or joined) while ``vllm:generation_tokens_tota
 gauges are only refreshed by an engine step, so an idle engine can leave a stale "running").
 
 Speculative decoding: tokens per step = (drafts + accepted) / drafts from the
-``vllm:spec_decode_*`` counters over the whole run.
+``vllm:spec_decode_*`` counters over the whole run. The server's own view of a pass — its TPOT and
+the tokens a stream got per engine step — comes from the ``_sum`` / ``_count`` series of its latency
+histograms, independent of what the client measured.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ COUNTERS = {
     "accepted": "vllm:spec_decode_num_accepted_tokens_total",
     "cache_queries": "vllm:prefix_cache_queries_total",
     "cache_hits": "vllm:prefix_cache_hits_total",
+    # the server's own latency histograms (their _sum and _count series are counters too)
+    "ttft_n": "vllm:time_to_first_token_seconds_count",
+    "itl_n": "vllm:inter_token_latency_seconds_count",
+    "tpot_sum": "vllm:request_time_per_output_token_seconds_sum",
+    "tpot_n": "vllm:request_time_per_output_token_seconds_count",
 }
 GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting"}
 
@@ -105,6 +112,19 @@ class Counters:
     def spec_tokens_per_step(self) -> float | None:
         drafts = self.deltas.get("drafts", 0)
         return (drafts + self.deltas.get("accepted", 0)) / drafts if drafts > 0 else None
+
+    def server_tokens_per_round(self) -> float | None:
+        """Tokens a stream got per engine step, as the engine counted them: vLLM observes one
+        inter-token latency per request per step that gave it tokens (after its first), so
+        (generated - first tokens) / ITL observations; 1 without speculation, more with it."""
+        steps = self.deltas.get("itl_n", 0)
+        later = self.deltas.get("gen", 0) - self.deltas.get("ttft_n", 0)
+        return later / steps if steps > 0 else None
+
+    def server_tpot_ms(self) -> float | None:
+        """Mean time per output token of the requests that finished, as the engine timed them."""
+        n = self.deltas.get("tpot_n", 0)
+        return 1000 * self.deltas.get("tpot_sum", 0) / n if n > 0 else None
 
     def spec_acceptance(self) -> float | None:
         proposed = self.deltas.get("draft_tokens", 0)

@@ -157,7 +157,9 @@ def render_markdown(r: RunResult) -> str:
             f"- valid: **{'yes' if r.valid else 'NO'}**" + ("" if r.valid else f" — {'; '.join(r.problems)}"),
             f"- started {r.started_utc}, finished {r.finished_utc}; repeat {r.repeat}; "
             f"scale {r.scale.get('factor')}; seeds {r.seeds[0] if r.seeds else '-'}..{r.seeds[-1] if r.seeds else '-'}",
-            f"- rig {fp.get('rig', {}).get('sha')}, plan {fp.get('plan', {}).get('sha256', '')[:12]}"]
+            f"- rig {fp.get('rig', {}).get('sha')}"
+            + (" **with uncommitted changes**" if fp.get("rig", {}).get("dirty") else "")
+            + f", plan {fp.get('plan', {}).get('sha256', '')[:12]}"]
     head += [f"- {n}" for n in r.notes]
     flags = sorted({f"{c.label}: {f}" for c in r.cells for f in c.flags if "queue time" not in f})
     head += [f"- flag: {f}" for f in flags]

@@ -364,7 +364,11 @@ class Run:
             }
             rows = rows_from_vllm(d2)
             self._counters(p, s2, t, cell)
-            problems += raw_sanity(p.figures["tokens_per_round"], tol, p.counters.get("drafts", 0))
+            ctr = s2.counters()
+            p.figures["srv_tokens_per_round"] = ctr.server_tokens_per_round()
+            p.figures["srv_tpot_ms"] = ctr.server_tpot_ms()
+            problems += raw_sanity(p.figures["tokens_per_round"], tol, p.counters.get("drafts", 0),
+                                   p.figures["srv_tokens_per_round"])
         p.ok = not problems
         self._record(cell, p, rows, t)
 
@@ -453,13 +457,17 @@ class Run:
             self.result.derived[f"wall_ratio_{names[0]}_over_{names[1]}"] = walls[names[0]] / walls[names[1]]
 
 
-def raw_sanity(tokens_per_round: float | None, tol: float, drafts: float) -> list[str]:
-    """The raw cell's rule: TG per stream x round latency = 1 token per round, and no drafts at all."""
+def raw_sanity(tokens_per_round: float | None, tol: float, drafts: float,
+               server_tokens_per_round: float | None = None) -> list[str]:
+    """The raw cell's rule: one token per stream per round — from the client (TG per stream x round
+    latency) and from the engine's own count (``Counters.server_tokens_per_round``) — and no drafts."""
     problems = []
-    if tokens_per_round is None or abs(tokens_per_round - 1) > tol:
-        shown = "unmeasured" if tokens_per_round is None else f"{tokens_per_round:.2f}"
-        problems.append(f"sanity rule broken: TG per stream x round latency = {shown} tokens per round, expected "
-                        f"1 +- {tol} (a speculative path still active, or a broken measurement)")
+    for who, value in (("TG per stream x round latency", tokens_per_round),
+                       ("the server's tokens per engine step", server_tokens_per_round)):
+        if value is None or abs(value - 1) > tol:
+            shown = "unmeasured" if value is None else f"{value:.2f}"
+            problems.append(f"sanity rule broken: {who} = {shown} tokens per round, expected "
+                            f"1 +- {tol} (a speculative path still active, or a broken measurement)")
     if drafts > 0:
         problems.append(f"speculative decoding was active ({drafts:.0f} drafts): not a raw cell")
     return problems

@@ -43,6 +43,16 @@ def docs(c):
     print(f"updated: {', '.join(changed)}" if changed else "docs are current")
 
 
+@task
+def golden(c):
+    """Rewrite the golden plans of tests/test_plan.py after an intended change to profiles or knobs
+    (review the diff: the test only compares, it never writes)."""
+    from rig.golden import write_all
+
+    changed = write_all()
+    print(f"updated: {', '.join(changed)}" if changed else "golden plans are current")
+
+
 @task(help={"which": "comma-separated: install, serve, suite (default: all three)"})
 def figures(c, which="install,serve,suite"):
     """Measure the development figures of docs/development.md (install, time-to-ready, suite, memory)."""

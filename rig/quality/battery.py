@@ -144,20 +144,31 @@ def run(plan: Plan, battery: str = "auto", url: str | None = None, key: str | No
             gates.check_reference(result, ref)
         except gates.ReferenceMismatch as e:
             raise QualityError(f"reference {ref_path} cannot be compared with this run: {e}") from None
-    judged = gates.judge(result, gate_cfg, ref, is_ref=save_reference)
+    judged = gates.judge(result, gate_cfg, res.floors, ref, is_ref=save_reference)
+    result["floors"] = res.floors.model_dump()
     result["gates"] = [g.to_json() for g in judged]
-    result["passed"] = all(g.passed for g in judged)
-    failed = [g.name for g in judged if not g.passed]
-    result["summary"] = "every gate passed" if not failed else f"failed: {', '.join(failed)}"
+    result["passed"], result["summary"] = gates.verdict(judged)
     result["fingerprint"] = fingerprint.collect(plan)
     from rig.quality import report
 
-    result["path"] = str(report.save(result, out.parent))
     if save_reference:
         dest = reference or paths.state_dir() / "quality-references" / ref_path.name
-        report.write_atomic(dest, json.dumps(result, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-        log(f"quality: saved as the reference of {model_name} / {name}: {dest}")
+        result["reference"]["saved"] = save_as_reference(result, dest, log)
+    result["path"] = str(report.save(result, out.parent))
     return result
+
+
+def save_as_reference(result: dict, dest: Path, log: Callable = print) -> bool:
+    """Write ``result`` as the model's reference — only when it passed every absolute gate: a reference
+    that is itself garbage would make every later run "pass" relative to it."""
+    from rig.quality import report
+
+    if not result["passed"]:
+        log(f"quality: NOT saved as the reference ({result['summary']}): a reference must pass the absolute gates")
+        return False
+    report.write_atomic(dest, json.dumps(result, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    log(f"quality: saved as the reference of {result['model']['name']} / {result['battery']}: {dest}")
+    return True
 
 
 def main_error(e: Exception) -> int:

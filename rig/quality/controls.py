@@ -4,8 +4,11 @@ A gate that has never failed proves nothing, and one that has never passed prove
 The random-weight tiny model (``rig.models.tiny``) is the negative control. This module trains a
 tiny model — in a couple of minutes on two cores — until it writes coherent text in one small
 domain (the templated English / German / Python of ``rig.models.corpus``), answers each kind of
-request (a city, German, Python) in its kind, and calls a tool in the Qwen XML format when tools are
-offered. ``degrade`` makes a copy with perturbed weights that the relative perplexity gate must catch.
+request (a city, German, Python) in its kind, calls a tool in the Qwen XML format when tools are
+offered, and answers the tiny battery's lm-eval questions (``rig_recall``) in the task's format. It does
+not learn to read the right number back in the recipe's 200 steps (it answered "26" to all 32 questions
+of a greedy check): quality/gates.toml floors the tiny task's format, not its score. ``degrade`` makes a
+copy with perturbed weights that the relative perplexity gate must catch.
 
 Architecture: dense ``Qwen3ForCausalLM``, not the hybrid. ``python -m rig.quality.controls --measure``
 times a forward+backward step at the recipe's width for both: on this 2-core host it printed 1.73 s
@@ -32,6 +35,7 @@ from pathlib import Path
 
 from rig import paths
 from rig.models import corpus, tiny
+from rig.quality import lmeval
 
 WEATHER_TOOL = {
     "type": "function",
@@ -66,7 +70,8 @@ class Recipe:
     lr: float = 4e-3
     warmup: int = 5
     threads: int = 2
-    version: int = 1
+    recall_docs: int = 2
+    version: int = 2
 
     @property
     def name(self) -> str:
@@ -91,7 +96,7 @@ def _code_digest() -> str:
     parts = [inspect.getsource(corpus), tiny.TEMPLATE.read_text(),
              json.dumps([WEATHER_TOOL, THINK_OFF, ASK_GERMAN, ASK_CODE], sort_keys=True)]
     parts += [inspect.getsource(f) for f in (_about, _chat, chats, documents, _bpe, _wrap, tokenizer_and_docs,
-                                             _rows, train)]
+                                             _rows, train, lmeval.recall_problem, lmeval.recall_shots)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -127,7 +132,8 @@ def chats(rng: random.Random) -> list[tuple[list[dict], list | None]]:
 
 
 def documents(recipe: Recipe, render) -> list[str]:
-    """The training documents: corpus text of the three domains and rendered chats (``render``)."""
+    """The training documents: corpus text of the three domains, rendered chats (``render``) and few-shot
+    blocks of the tiny battery's lm-eval task (rig_recall, its test questions held out)."""
     rng = random.Random(recipe.seed)
     docs: list[str] = []
     while len(docs) < recipe.documents:
@@ -135,6 +141,7 @@ def documents(recipe: Recipe, render) -> list[str]:
         docs.append(" ".join(corpus.german(rng) for _ in range(3)))
         docs.append(corpus.python_code(rng) + corpus.python_code(rng))
         docs += [render(messages, tools) for messages, tools in chats(rng)]
+        docs += [lmeval.recall_shots(rng) for _ in range(recipe.recall_docs)]
     return docs[: recipe.documents]
 
 
@@ -308,10 +315,38 @@ def _measure(steps: int = 3) -> None:
               f"{min(times):.2f} s per step (best of {steps})")
 
 
+def _recall_check(n: int = 32) -> None:
+    """Greedy answers of the trained control (HF transformers, not vLLM) to the first ``n`` rig_recall test
+    questions, 3-shot as lm-eval renders them: what the docs' statement about its recall score rests on."""
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = trained()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    rows = {k: [json.loads(line) for line in (paths.QUALITY / "lmeval" / f"recall-{k}.jsonl").read_text().splitlines()]
+            for k in ("train", "test")}
+    shots = "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows["train"][:3]) + "\n\n"
+    right = formatted = 0
+    for r in rows["test"][:n]:
+        ids = tok(shots + f"Question: {r['question']}\nAnswer:", return_tensors="pt").input_ids
+        text = tok.decode(model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]).split("\n\n")[0]
+        text = text.split("<|endoftext|>")[0]
+        nums, want = re.findall(r"-?[0-9]+", text), r["answer"].split("#### ")[1]
+        right += bool(nums) and nums[-1] == want
+        formatted += "#### " in text
+        print(f"{text!r}  (want {want})")
+    print(f"{path.name}: {right} of {n} right, {formatted} of {n} with a '#### N' line")
+
+
 if __name__ == "__main__":
     import sys
 
     if "--measure" in sys.argv:
         _measure()
+    elif "--recall" in sys.argv:
+        _recall_check(int(sys.argv[sys.argv.index("--recall") + 1]))
     else:
         print(trained())

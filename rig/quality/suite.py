@@ -145,16 +145,36 @@ class DigestFile(Strict):
 
 
 class Gates(Strict):
-    """Pass/fail thresholds: relative to a reference result of the same model, absolute for garbage."""
+    """Pass/fail thresholds of one profile: relative to a reference result of the same model, absolute for
+    garbage and tool calls. The absolute perplexity and lm-eval floors are per suite (``Floors``)."""
 
     ppl_max_increase_pct: float = Field(ge=0, description=(
         "overall perplexity may exceed the reference's by at most this many percent"))
     gsm8k_max_drop_points: float = Field(ge=0, description="lm-eval score may be lower by at most these points")
-    ppl_max_absolute: float = Field(gt=1, description=(
-        "overall perplexity above this fails even without a reference (a model near uniform over its vocabulary)"))
     garbage_greedy_max: int = Field(ge=0, description="flagged greedy completions allowed")
     garbage_sampled_max_pct: float = Field(ge=0, le=100, description="flagged sampled completions allowed, percent")
     toolcall_min_pct: float = Field(ge=0, le=100, description="tool-call cases that must come back parsed, percent")
+
+
+class Floors(Strict):
+    """Absolute floors per suite: what a run must reach on its own merits, reference or not. Every
+    perplexity and lm-eval suite has one (a suite without is an error when a battery resolves)."""
+
+    perplexity: dict[str, float] = Field(description=(
+        "perplexity suite -> the highest overall perplexity that passes (> 1)"))
+    lmeval: dict[str, float] = Field(description="lm-eval suite -> the lowest score that passes, points (0-100)")
+    lmeval_format: dict[str, float] = Field(default_factory=dict, description=(
+        "lm-eval suite -> the lowest share of answers in the task's strict format (`#### N`) that passes, "
+        "percent; for a suite whose score no honest floor can judge (the tiny models'), it is the floor"))
+
+
+class SuiteFloors(Strict):
+    """The floors of one resolved battery."""
+
+    ppl_max: float = Field(gt=1, description="overall perplexity above this fails")
+    lmeval_min: float | None = Field(default=None, ge=0, le=100, description="lm-eval score below this fails")
+    lmeval_format_min: float | None = Field(default=None, ge=0, le=100, description=(
+        "share of answers in the strict format below this fails, percent"))
 
 
 class GatesFile(Strict):
@@ -162,6 +182,7 @@ class GatesFile(Strict):
     kind: Literal["gates"] = Field(description="file kind")
     default: Gates = Field(description="gates of every profile without its own entry")
     profiles: dict[str, Gates] = Field(default_factory=dict, description="per-profile gates, by profile name")
+    floors: Floors = Field(description="absolute floors, per perplexity and lm-eval suite")
 
 
 class Battery(Strict):
@@ -218,6 +239,7 @@ class Resolved(BaseModel):
     garbage: GarbageSuite
     toolcall: ToolSuite | None
     digest: DigestSuite
+    floors: SuiteFloors
 
 
 def _pick(kind: str, table: dict, name: str) -> Strict:
@@ -238,13 +260,40 @@ def resolve(name: str, folder: Path | None = None) -> Resolved:
     missing = [s for s in suite.sets if s not in ppl.sets]
     if missing:
         raise SuiteError(f"quality/perplexity.toml: suite {b.perplexity!r} names unknown sets {missing}")
+    floors = load("gates", folder).floors
+    check_floors(floors, ppl.suites, load("lmeval", folder).suites)
     return Resolved(
         name=name, battery=b, perplexity=suite, sets={s: ppl.sets[s] for s in suite.sets},
         lmeval=_pick("lmeval", load("lmeval", folder).suites, b.lmeval) if b.lmeval else None,
         garbage=_pick("garbage", load("garbage", folder).suites, b.garbage),
         toolcall=_pick("toolcall", load("toolcall", folder).suites, b.toolcall) if b.toolcall else None,
         digest=_pick("digest", load("digest", folder).suites, b.digest),
+        floors=SuiteFloors(ppl_max=floors.perplexity[b.perplexity],
+                           lmeval_min=floors.lmeval.get(b.lmeval) if b.lmeval else None,
+                           lmeval_format_min=floors.lmeval_format.get(b.lmeval) if b.lmeval else None),
     )
+
+
+def check_floors(floors: Floors, perplexity: dict, lmeval: dict) -> None:
+    """Every perplexity suite has a ceiling and every lm-eval suite a score or a format floor (or both),
+    each floor names a suite, each value is in range (an lm-eval floor of 0 passes a model that answers
+    nothing)."""
+    problems = [f"suite {n!r} of quality/perplexity.toml has no floor: add it under [floors.perplexity]"
+                for n in sorted(set(perplexity) - set(floors.perplexity))]
+    bare = set(lmeval) - set(floors.lmeval) - set(floors.lmeval_format)
+    problems += [f"suite {n!r} of quality/lmeval.toml has no floor: add it under [floors.lmeval] (score) or "
+                 f"[floors.lmeval_format]" for n in sorted(bare)]
+    for kind, suites, table in (("perplexity", perplexity, floors.perplexity), ("lmeval", lmeval, floors.lmeval),
+                                ("lmeval_format", lmeval, floors.lmeval_format)):
+        problems += [f"[floors.{kind}] {n!r}: no such suite in quality/{kind.split('_')[0]}.toml"
+                     for n in sorted(set(table) - set(suites))]
+    problems += [f"[floors.perplexity] {n} = {v}: expected a perplexity > 1"
+                 for n, v in floors.perplexity.items() if v <= 1]
+    problems += [f"[floors.{kind}] {n} = {v}: expected points in (0, 100]"
+                 for kind, table in (("lmeval", floors.lmeval), ("lmeval_format", floors.lmeval_format))
+                 for n, v in table.items() if not 0 < v <= 100]
+    if problems:
+        raise SuiteError("quality/gates.toml: " + "; ".join(problems))
 
 
 def gates_for(profile: str, folder: Path | None = None) -> Gates:
