@@ -250,7 +250,7 @@ def _pip_failure(log: str) -> str:
     return f"pip failed: {tail[0]}"
 
 
-def _offline(folder: Path) -> tuple[list[str], dict[str, str]]:
+def offline_pip(folder: Path) -> tuple[list[str], dict[str, str]]:
     """pip arguments and environment that install from ``folder`` alone.
 
     ``--no-index`` drops every index; pip's configuration files and PIP_* variables are left out
@@ -284,7 +284,7 @@ def install(venv: Path, lock: Path, log_path: Path, wheelhouse: Path | None = No
            "--require-hashes", "--no-input", "-r", str(lock)]
     env = None
     if wheelhouse:
-        extra, env = _offline(wheelhouse)
+        extra, env = offline_pip(wheelhouse)
         cmd += extra
     elif TORCH_INDEX and re.search(r"^\S+\+cpu ", lock.read_text(), re.M) and reachable(TORCH_INDEX):
         cmd += ["--extra-index-url", TORCH_INDEX]

