@@ -237,8 +237,8 @@ def _pip_failure(log: str) -> str:
     offline = re.search(r"NewConnectionError|Name or service not known|Temporary failure in name resolution|"
                         r"Network is unreachable|Connection refused|ConnectTimeout|ReadTimeout", log)
     if offline or not reachable(_index_url()):
-        return ("no network: the first install downloads ~3.5 GB of wheels from PyPI; connect this host "
-                "(or point PIP_INDEX_URL / PIP_FIND_LINKS at a mirror) and run again")
+        return ("no network: the first install downloads over 1 GB of wheels from PyPI; connect this host "
+                "(or point PIP_INDEX_URL / PIP_FIND_LINKS at a mirror, or use `--wheelhouse DIR`) and run again")
     if "THESE PACKAGES DO NOT MATCH THE HASHES" in log:
         return ("a downloaded wheel does not match its hash in the lock: regenerate with `inv env.lock` "
                 "or check your mirror")

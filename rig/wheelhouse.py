@@ -15,6 +15,7 @@ only a local folder holds (this host's torch +cpu in /opt/wheels, say) is found 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -89,7 +90,8 @@ def download(lock: Path, out: Path, python: str, platform: str, log: Path, conso
     with log.open("w") as sink, Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("", total=total)
         proc = subprocess.Popen(download_command(lock, out, python, platform), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, cwd=bootstrap.ROOT)
+                                stderr=subprocess.STDOUT, text=True, cwd=bootstrap.ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})  # a live bar, not 8 KiB bursts
         assert proc.stdout is not None
         for line in proc.stdout:
             sink.write(line)
