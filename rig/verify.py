@@ -19,11 +19,11 @@ from rig.plan import Plan
 
 def check_installed(env: str) -> str:
     """Every package of the lock is installed at the locked version."""
-    from rig import paths
-    from rig.bootstrap import parse_lock
+    from rig.bootstrap import lock_path, parse_lock
 
     wrong = []
-    for name, version in parse_lock(paths.LOCKS / f"{env}.txt").items():
+    lock = lock_path(env)
+    for name, version in parse_lock(lock).items():
         try:
             have = md.version(name)
         except md.PackageNotFoundError:
@@ -31,15 +31,15 @@ def check_installed(env: str) -> str:
         if have != version:
             wrong.append(f"{name} {have or 'missing'} (lock: {version})")
     if wrong:
-        raise RuntimeError(f"{len(wrong)} packages differ from locks/{env}.txt: {', '.join(wrong[:4])}; "
+        raise RuntimeError(f"{len(wrong)} packages differ from locks/{lock.name}: {', '.join(wrong[:4])}; "
                            "rerun `python3 bootstrap.py` (or `pixi install`)")
     return f"{env} lock: all packages at their locked versions"
 
 
 def check_pins() -> str:
-    from rig.envlock import LOCK_FEATURES, disagreements
+    from rig.envlock import all_locks, disagreements
 
-    bad = [d for env in LOCK_FEATURES for d in disagreements(env)]
+    bad = [d for env, python in all_locks() for d in disagreements(env, python)]
     if bad:
         raise RuntimeError(f"locks disagree with pixi.toml: {bad[0]}; run `inv env.lock`")
     return "locks/ agree with pixi.toml"

@@ -12,14 +12,33 @@ import pytest
 
 from rig import envfix, paths
 from rig.bootstrap import BootstrapError, check_python, parse_lock
-from rig.envlock import LOCK_FEATURES, disagreements, read_pins
+from rig.envlock import all_locks, disagreements, lock_file, read_pins
 
 ROOT = paths.ROOT
 
 
 def test_locks_agree_with_pixi_pins():
-    for env in LOCK_FEATURES:
-        assert disagreements(env) == [], f"run `inv env.lock`: {disagreements(env)}"
+    locks = all_locks()
+    assert {lock_file(env, py).name for env, py in locks} == {f.name for f in paths.LOCKS.glob("*.txt")}
+    assert {("cpu", "3.11"), ("gpu", "3.11"), ("gpu", "3.12")} <= set(locks)
+    for env, python in locks:
+        assert disagreements(env, python) == [], f"run `inv env.lock`: {disagreements(env, python)}"
+
+
+def test_a_stray_lock_file_is_an_error(tmp_path, monkeypatch):
+    for name in ("cpu.txt", "gpu-py312.txt", "gpu-cuda.txt"):
+        (tmp_path / name).write_text("")
+    monkeypatch.setattr(paths, "LOCKS", tmp_path)
+    with pytest.raises(ValueError, match="locks/gpu-cuda.txt: not a lock name"):
+        all_locks()
+
+
+def test_the_py312_lock_differs_only_where_312_needs_it():
+    """Same versions as the 3.11 lock (it was solved preferring them) but where vLLM asks otherwise."""
+    base, py312 = parse_lock(lock_file("gpu")), parse_lock(lock_file("gpu", "3.12"))
+    assert set(base) == set(py312)
+    assert {n for n in base if base[n] != py312[n]} <= {"setuptools"}  # vllm: setuptools<81 on Python >= 3.12
+    assert py312["torch"] == "2.13.0" and py312["triton"] == "3.7.1" and py312["nvidia-nccl-cu13"] == "2.29.7"
 
 
 def test_a_changed_pin_is_caught(tmp_path, monkeypatch):

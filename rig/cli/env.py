@@ -1,4 +1,4 @@
-"""`inv env.*`: the environment — install fixes, locks, pins."""
+"""`inv env.*`: the environment — install fixes, locks, pins, wheelhouses for offline hosts."""
 
 from __future__ import annotations
 
@@ -14,21 +14,59 @@ def fix(c):
         raise Exit(code=2)
 
 
-@task(help={"env": "which lock to regenerate: cpu, gpu or all (default)"})
-def lock(c, env="all"):
-    """Regenerate locks/<env>.txt from pixi.toml's pins with uv (needs PyPI)."""
-    from rig.envlock import LOCK_FEATURES, compile_lock
+@task(help={"env": "which lock to regenerate: cpu, gpu or all (default: every lock in locks/)",
+            "python": "the CPython the lock is for (default 3.11; another writes locks/<env>-pyXY.txt)",
+            "upgrade": "resolve afresh (default: keep the locked versions that the pins still allow)"})
+def lock(c, env="all", python="", upgrade=False):
+    """Regenerate locks/*.txt from pixi.toml's pins with uv (needs PyPI)."""
+    from rig.envlock import TARGET, all_locks, compile_lock
 
-    for name in LOCK_FEATURES if env == "all" else [env]:
-        print(f"wrote {compile_lock(name)}")
+    if env == "all":
+        todo = [(e, p) for e, p in all_locks() if not python or p == python]
+    else:
+        todo = [(env, python or TARGET[0])]
+    for name, py in sorted(todo, key=lambda t: t[1] != TARGET[0]):  # default locks first: others build on them
+        print(f"wrote {compile_lock(name, py, upgrade)}")
+
+
+@task(help={"env": "which environment: cpu or gpu",
+            "out": "the folder to fill (made if missing; files already in it are reused)",
+            "python": "the target CPython (default: the lock's, 3.11); another locks for it first if needed",
+            "platform": "the target platform, <arch>-manylinux_2_<glibc minor> (default: x86_64-manylinux_2_31)"})
+def wheelhouse(c, env="gpu", out="", python="", platform=""):
+    """Every wheel of the lock for the target Python and platform in a folder, hash-checked, with a manifest."""
+    from pathlib import Path
+
+    from rig import envlock
+    from rig import wheelhouse as wh
+
+    if not out:
+        raise Exit("--out DIR is required: the folder to hold the wheels", code=2)
+    if env not in envlock.LOCK_FEATURES:
+        raise Exit(f"--env {env!r}: expected one of {sorted(envlock.LOCK_FEATURES)}", code=2)
+    python = python or envlock.TARGET[0]
+    try:
+        lock = envlock.lock_file(env, python)
+    except ValueError as e:
+        raise Exit(f"--python: {e}", code=2) from e
+    if not lock.is_file():
+        print(f"no lock for Python {python} yet: locking {env} for it from pixi.toml's pins")
+        envlock.compile_lock(env, python)
+    try:
+        rows = wh.build(lock, Path(out).resolve(), python, platform or envlock.WHEELHOUSE_PLATFORM)
+    except wh.WheelhouseError as e:
+        raise Exit(f"wheelhouse: {e}", code=1) from e
+    wh.show(rows, Path(out).resolve(), wh.Console())
+    print(f"pip installs it from the folder alone (dry run, --no-index) for Python {python} on "
+          f"{platform or envlock.WHEELHOUSE_PLATFORM}")
 
 
 @task
 def check(c):
     """Fail when a lock file disagrees with the pins of pixi.toml."""
-    from rig.envlock import LOCK_FEATURES, disagreements
+    from rig.envlock import all_locks, disagreements
 
-    problems = [p for name in LOCK_FEATURES for p in disagreements(name)]
+    problems = [p for name, python in all_locks() for p in disagreements(name, python)]
     for p in problems:
         print(f"lock mismatch: {p}")
     if problems:
@@ -36,4 +74,4 @@ def check(c):
     print("locks agree with pixi.toml")
 
 
-ns = Collection("env", fix, lock, check)
+ns = Collection("env", fix, lock, check, wheelhouse)

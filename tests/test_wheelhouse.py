@@ -1,0 +1,271 @@
+"""Offline installs: wheelhouses made from the locks, bootstrap.py --wheelhouse, and the pieces for a GPU host.
+
+The fast tests use a real wheelhouse of a seven-entry sub-lock of locks/cpu.txt (a pure-Python
+sdist among them, built offline from the folder's own setuptools); the slow one makes the
+wheelhouse of the whole CPU lock and installs a working venv from it with every index cut off.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from rig import bootstrap, carry, envlock, paths, wheelhouse
+
+ROOT = paths.ROOT
+# word2number is an sdist only: it builds offline from the folder's setuptools, wheel and packaging.
+SMALL = {"invoke", "iniconfig", "six", "word2number", "setuptools", "wheel", "packaging"}
+UNREACHABLE = "http://127.0.0.1:9/simple"
+
+
+def offline_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """This environment with every way to an index cut: no pip config, an unreachable index, no find-links."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    return {**env, "PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": UNREACHABLE, "PIP_FIND_LINKS": "",
+            "PIP_EXTRA_INDEX_URL": "", "PIP_RETRIES": "0", "PIP_TIMEOUT": "5", "RIG_TORCH_INDEX": "",
+            "RIG_STATE_DIR": str(tmp / "state"), **extra}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> tuple[Path, Path, list[wheelhouse.Row]]:
+    """(sub-lock, wheelhouse, manifest rows) of SMALL, fetched the way `inv env.wheelhouse` fetches."""
+    tmp = tmp_path_factory.mktemp("wheelhouse")
+    lock = envlock.sublock(paths.LOCKS / "cpu.txt", SMALL, tmp / "small.txt")
+    rows = wheelhouse.build(lock, tmp / "wheels", "3.11", envlock.WHEELHOUSE_PLATFORM, Console(file=io.StringIO()))
+    return lock, tmp / "wheels", rows
+
+
+def copy_house(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    return dest
+
+
+def test_sublock_keeps_the_entries_and_their_hashes(small, tmp_path):
+    lock, _, _ = small
+    full, part = bootstrap.read_lock(paths.LOCKS / "cpu.txt"), bootstrap.read_lock(lock)
+    assert set(part) == SMALL and all(part[n] == full[n] for n in SMALL)
+    with pytest.raises(ValueError, match="no-such-thing: not in cpu.txt"):
+        envlock.sublock(paths.LOCKS / "cpu.txt", {"six", "no-such-thing"}, tmp_path / "x.txt")
+
+
+def test_manifest_lists_every_file_with_its_sha256_and_size(small):
+    lock, house, rows = small
+    doc = json.loads((house / wheelhouse.MANIFEST).read_text())
+    assert {r["name"] for r in doc["files"]} == SMALL and doc["python"] == "3.11"
+    assert doc["total_bytes"] == sum(r.size for r in rows) == sum((house / r.file).stat().st_size for r in rows)
+    entries = bootstrap.read_lock(lock)
+    for r in rows:
+        assert r.sha256 == bootstrap.sha256_file(house / r.file) and r.sha256 in entries[r.name].hashes
+        assert r.version == entries[r.name].version
+    assert not next(r.file for r in rows if r.name == "word2number").endswith(".whl")  # an sdist (.zip)
+    out = io.StringIO()
+    wheelhouse.show(rows, house, Console(file=out, width=200))
+    total = doc["total_bytes"]
+    assert f"{len(SMALL)} files, {wheelhouse.human(total)} in all ({total} bytes)" in out.getvalue()
+
+
+def test_pip_platforms_reach_old_manylinux_tags():
+    tags = wheelhouse.pip_platforms("x86_64-manylinux_2_28")
+    assert tags[0] == "manylinux_2_28_x86_64" and "manylinux_2_18_x86_64" in tags  # nvidia-nccl-cu13 2.29.7
+    assert {"manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64"} <= set(tags)
+    with pytest.raises(wheelhouse.WheelhouseError, match="expected <arch>-manylinux_2_<glibc minor>"):
+        wheelhouse.pip_platforms("linux")
+
+
+@pytest.mark.slow  # makes a venv / installs with pip: ~15-25 s
+def test_an_intact_wheelhouse_installs_offline(small, tmp_path, monkeypatch):
+    """bootstrap's install, offline: a venv whose packages all came from the folder (the sdist built there)."""
+    lock, house, _ = small
+    for k, v in offline_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    assert bootstrap.wheelhouse_problems(lock, house) == []
+    venv = tmp_path / "venv"
+    bootstrap.install(venv, lock, tmp_path / "install.log", house)
+    log = (tmp_path / "install.log").read_text()
+    assert "Building wheel for word2number" in log  # no cache: built from the folder's sdist and setuptools
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", "import invoke, six, word2number, iniconfig; "
+                        "from importlib.metadata import version; print(version('invoke'), version('word2number'))"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [bootstrap.read_lock(lock)["invoke"].version, "1.1"]
+
+
+def test_a_removed_wheel_is_named(small, tmp_path):
+    lock, house, rows = small
+    broken = copy_house(house, tmp_path / "wheels")
+    (broken / next(r.file for r in rows if r.name == "six")).unlink()
+    assert bootstrap.wheelhouse_problems(lock, broken) == [
+        f"six=={bootstrap.read_lock(lock)['six'].version} is missing (no file with a hash of {lock})"]
+
+
+def test_an_altered_wheel_is_named(small, tmp_path):
+    lock, house, rows = small
+    broken = copy_house(house, tmp_path / "wheels")
+    name = next(r.file for r in rows if r.name == "invoke")
+    with (broken / name).open("ab") as f:
+        f.write(b"\0")
+    with pytest.raises(bootstrap.BootstrapError) as e:
+        bootstrap.check_wheelhouse(lock, broken, "cpu")
+    assert f"{name} does not match invoke==" in e.value.message and "altered" in e.value.message
+    assert "inv env.wheelhouse --env cpu" in e.value.message
+
+
+@pytest.mark.slow  # makes a venv / installs with pip: ~15-25 s
+def test_pip_itself_refuses_an_altered_wheel(small, tmp_path, monkeypatch):
+    """Past the check (a file changed after it), pip's --require-hashes stops the install, and we name the file."""
+    lock, house, rows = small
+    broken = copy_house(house, tmp_path / "wheels")
+    name = next(r.file for r in rows if r.name == "iniconfig")
+    with (broken / name).open("ab") as f:
+        f.write(b"\0")
+    for k, v in offline_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(bootstrap.BootstrapError) as e:
+        bootstrap.install(tmp_path / "venv", lock, tmp_path / "install.log", broken)
+    assert e.value.message.startswith(f"wheelhouse {broken}: {name} does not match the hash of iniconfig==")
+
+
+def _bootstrap(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "bootstrap.py"), *args], env=env, capture_output=True,
+                          text=True, timeout=3000)
+
+
+def test_bootstrap_refuses_a_missing_folder_before_making_a_venv(tmp_path):
+    venv = tmp_path / "venv"
+    env = offline_env(tmp_path, RIG_ENV="cpu", RIG_VENV=str(venv))
+    r = _bootstrap(env, "--wheelhouse", str(tmp_path / "nowhere"), "--list")
+    assert r.returncode == 2 and not venv.exists()
+    assert r.stderr.strip() == (f"rig: error: --wheelhouse {tmp_path / 'nowhere'}: no such folder; make one on a "
+                                f"host with network: `inv env.wheelhouse --env cpu --out {tmp_path / 'nowhere'}`")
+    r = _bootstrap(env, "--wheelhouse")
+    assert r.returncode == 2 and "--wheelhouse needs a folder" in r.stderr
+
+
+def test_bootstrap_names_the_wheels_a_partial_folder_lacks(small, tmp_path):
+    """The real CPU lock against the seven-wheel folder: refused, naming what is missing, nothing made."""
+    _, house, _ = small
+    venv = tmp_path / "venv"
+    r = _bootstrap(offline_env(tmp_path, RIG_ENV="cpu", RIG_VENV=str(venv)), f"--wheelhouse={house}", "--list")
+    assert r.returncode == 2 and not venv.exists()
+    assert r.stderr.startswith(f"rig: error: wheelhouse {house} cannot install locks/cpu.txt: "
+                               "absl-py==2.5.1 is missing (no file with a hash of locks/cpu.txt); ")
+    assert "more); rebuild it with `inv env.wheelhouse --env cpu --out DIR`" in r.stderr
+
+
+def test_a_missing_build_requirement_is_found_before_the_host(small, tmp_path):
+    """Without `wheel`, pip cannot build word2number's sdist offline: the dry run says so, naming it."""
+    lock, house, rows = small
+    part = envlock.sublock(paths.LOCKS / "cpu.txt", SMALL - {"wheel"}, tmp_path / "part.txt")
+    broken = copy_house(house, tmp_path / "wheels")
+    (broken / next(r.file for r in rows if r.name == "wheel")).unlink()
+    assert bootstrap.wheelhouse_problems(part, broken) == []  # every file of the lock is there...
+    with pytest.raises(wheelhouse.WheelhouseError, match="pip finds no file of wheel in it"):
+        wheelhouse.offline_check(part, broken, "3.11", envlock.WHEELHOUSE_PLATFORM, tmp_path / "dry.log")
+    wheelhouse.offline_check(lock, house, "3.11", envlock.WHEELHOUSE_PLATFORM, tmp_path / "dry.log")
+
+
+# --- pieces for a GPU host ------------------------------------------------------------------
+
+
+def test_select_leaves_out_globs_but_keeps_named():
+    names = ["torch", "nvidia-cublas", "nvidia-nccl-cu13", "vllm"]
+    assert carry.select(names, ["nvidia-*"], ["nvidia-nccl-cu13"]) == ["nvidia-nccl-cu13", "torch", "vllm"]
+    with pytest.raises(carry.CarryError, match="'cuda-\\*' matches no requirement"):
+        carry.select(names, ["cuda-*"], [])
+    with pytest.raises(carry.CarryError, match="--keep triton: not in the lock"):
+        carry.select(names, [], ["triton"])
+    assert carry.parse_size("63M") == 63 * 1024**2
+    with pytest.raises(carry.CarryError, match="expected a number with K, M or G"):
+        carry.parse_size("63MB")
+
+
+@pytest.mark.slow  # makes a venv / installs with pip: ~15-25 s
+def test_pieces_reassemble_and_install_with_the_generated_script(small, tmp_path):
+    _, house, rows = small
+    out = tmp_path / "carry"
+    packed = carry.pack(house, rows, out, 64 * 1024, "3.11")
+    assert len(packed.pieces) > 3 and all(p.stat().st_size <= 64 * 1024 for p in packed.pieces)
+    assert sum(p.stat().st_size for p in packed.pieces) == packed.tar_bytes
+    again = carry.pack(house, rows, tmp_path / "again", 64 * 1024, "3.11")
+    assert [bootstrap.sha256_file(p) for p in again.pieces] == [bootstrap.sha256_file(p) for p in packed.pieces]
+    # On the "host": only the carried files, and pip with no index.
+    host = tmp_path / "host"
+    host.mkdir()
+    for f in out.iterdir():
+        shutil.copy(f, host)
+    env = offline_env(tmp_path, PYTHON=sys.executable)
+    r = subprocess.run(["sh", str(host / carry.INSTALL), str(tmp_path / "site")], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"installed {len(SMALL)} wheels into {tmp_path / 'site'}" in r.stdout
+    probe = subprocess.run([sys.executable, "-c", "import word2number, invoke; print(invoke.__file__)"],
+                           env={**env, "PYTHONPATH": str(tmp_path / "site")}, capture_output=True, text=True)
+    assert probe.returncode == 0 and probe.stdout.startswith(str(tmp_path / "site")), probe.stderr
+
+
+def test_a_damaged_piece_stops_the_install_script(small, tmp_path):
+    _, house, rows = small
+    out = tmp_path / "carry"
+    packed = carry.pack(house, rows, out, 64 * 1024, "3.11")
+    with packed.pieces[1].open("r+b") as f:
+        f.write(b"X")
+    packed.pieces[2].unlink()
+    r = subprocess.run(["sh", str(out / carry.INSTALL), str(tmp_path / "site")], capture_output=True, text=True,
+                       env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 2 and not (tmp_path / "site").exists()
+    assert f"{packed.pieces[1].name}: FAILED" in r.stdout + r.stderr
+    assert "a piece is missing or damaged (above): carry it again" in r.stderr
+
+
+def test_gpu_carry_script_refuses_a_glob_that_matches_nothing(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "scripts" / "gpu_carry.py"), "--wheels",
+                        str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--leave-out", "nvidia-cublass"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "gpu_carry: error: --leave-out 'nvidia-cublass' matches no requirement of the lock"
+
+
+# --- the whole CPU lock ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cpu_wheelhouse_is_complete_offline_and_refused_when_broken(tmp_path):
+    """`inv env.wheelhouse --env cpu` of the whole lock; pip installs it from the folder alone (dry run);
+    bootstrap.py --wheelhouse, with the network cut, refuses it with torch removed and with six altered.
+
+    The full offline install of this folder into a venv (3.4 GB, 15 min on a loaded host) is not
+    repeated here: the dry run is pip's own check of every file against the lock for this
+    interpreter, sdists prepared from the folder; the sub-lock tests install for real.
+    """
+    house = tmp_path / "wheels"
+    inv = Path(sys.executable).with_name("inv")
+    made = subprocess.run([str(inv), "env.wheelhouse", "--env", "cpu", "--out", str(house)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=3000)
+    assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    lock = bootstrap.read_lock(paths.LOCKS / "cpu.txt")
+    rows = wheelhouse.read_manifest(house)
+    assert {r.name for r in rows} == set(lock)
+    assert f"{len(lock)} files, " in made.stdout
+    assert "pip installs it from the folder alone (dry run, --no-index) for Python 3.11" in made.stdout
+
+    venv = tmp_path / "venv"
+    env = offline_env(tmp_path, RIG_ENV="cpu", RIG_VENV=str(venv))
+    torch = next(r for r in rows if r.name == "torch")
+    (house / torch.file).rename(tmp_path / torch.file)
+    r = _bootstrap(env, "--wheelhouse", str(house), "--list")
+    assert r.returncode == 2 and not venv.exists()
+    assert f"torch=={lock['torch'].version} is missing" in r.stderr
+    (tmp_path / torch.file).rename(house / torch.file)
+    six = next(r for r in rows if r.name == "six")
+    (house / six.file).write_bytes((house / six.file).read_bytes()[:-1])
+    r = _bootstrap(env, "--wheelhouse", str(house), "--list")
+    assert r.returncode == 2 and not venv.exists()
+    assert f"{six.file} does not match six==" in r.stderr
