@@ -256,10 +256,12 @@ def offline_pip(folder: Path) -> tuple[list[str], dict[str, str]]:
     ``--no-index`` drops every index; pip's configuration files and PIP_* variables are left out
     too, since a find-links there (a local wheel folder, a mirror) would otherwise still be read;
     no cache, so what installs is what the folder holds, and sdists build from its setuptools.
+    ``--use-pep517``: pip 23 builds an sdist without a pyproject.toml in the running environment
+    when `wheel` is installed there, so the folder's own build requirements went unchecked.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env["PIP_CONFIG_FILE"] = os.devnull
-    return ["--no-index", "--find-links", str(folder), "--no-cache-dir"], env
+    return ["--no-index", "--find-links", str(folder), "--no-cache-dir", "--use-pep517"], env
 
 
 def _wheelhouse_failure(log: str, folder: Path) -> str:
