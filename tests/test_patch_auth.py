@@ -65,7 +65,7 @@ def root_path_server(tiny_model, tmp_path_factory) -> Iterator[VllmServer]:
     argv = [str(Path(sys.executable).with_name("vllm")), "serve", str(tiny_model), "--host", "127.0.0.1",
             "--port", str(port),
             "--served-model-name", "tiny", "--max-model-len", "2048", "--max-num-seqs", "4",
-            "--gpu-memory-utilization", "0.1", "--mamba-ssm-cache-dtype", "float32", "--block-size", "32",
+            "--kv-cache-memory-bytes", "256M", "--mamba-ssm-cache-dtype", "float32", "--block-size", "32",
             "--enforce-eager", "--api-key", key, "--root-path", "/api"]
     env = {**paths.cache_env(), "VLLM_AUTH_DENY_DEFAULT": "1", "VLLM_SERVER_DEV_MODE": "1"}
     log = tmp_path_factory.mktemp("auth") / "vllm.log"
