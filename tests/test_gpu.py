@@ -159,18 +159,24 @@ def test_tool_calls_through_the_qwen3_coder_parser(gpu_server):
     auto = _post(server, "/v1/chat/completions", {"model": server.served_name, "messages": msgs, "tools": [TOOL],
                                                   "tool_choice": "auto", "max_tokens": 16, "temperature": 0})
     assert auto.status_code == 200, auto.text  # the parser ran over whatever the random weights said
-    # A named tool is forced by structured output, which vLLM starts only after the reasoning ends
-    # (the batch profile runs the qwen3 reasoning parser): a random-weight model never writes
-    # </think>, so the request turns thinking off and the template closes the think block itself.
+    message = auto.json()["choices"][0]["message"]
+    assert message.get("content") is not None or message.get("reasoning") is not None, message
+
+
+@pytest.mark.xfail(strict=True, reason="vLLM 0.28 does not enforce a named tool_choice when the qwen3 reasoning "
+                   "parser and the qwen3_coder tool parser share one parser engine (vLLM issues 53745, 54808); "
+                   "docs/profiles.md, TOOLS")
+def test_named_tool_choice_is_enforced(gpu_server):
+    """Pins the upstream defect: when this passes (a fix landed), drop the mark and the docs' caveat."""
+    server, _, _ = gpu_server
     forced = _post(server, "/v1/chat/completions", {
-        "model": server.served_name, "messages": msgs, "tools": [TOOL], "max_tokens": 64, "temperature": 0,
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-        "chat_template_kwargs": {"enable_thinking": False}})
+        "model": server.served_name, "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [TOOL],
+        "max_tokens": 64, "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "chat_template_kwargs": {"enable_thinking": False}})  # structured output starts after </think>
     assert forced.status_code == 200, forced.text
     message = forced.json()["choices"][0]["message"]
     assert message.get("tool_calls"), f"no tool call in the forced reply: {message}"
-    call = message["tool_calls"][0]
-    assert call["function"]["name"] == "get_weather"
+    assert message["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
 def test_metrics_count_generated_tokens(gpu_server):
