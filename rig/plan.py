@@ -221,6 +221,9 @@ def needs(k: Knobs) -> tuple[dict[str, str], list[str], list[str]]:
         env["VLLM_MARLIN_INPUT_DTYPE"] = k.INT8_ACT
         env["VLLM_MARLIN_INT8_INCLUDE_RE"] = INT8_LAYER_ALIASES.get(k.INT8_LAYERS, k.INT8_LAYERS)
         patches.append("marlin-int8-layer-select")
+    if k.TOOLS:  # a required or named tool_choice is enforced (vLLM 0.28 ignores it with qwen3 + qwen3_coder)
+        env["VLLM_TOOL_CHOICE_SHARED_ENGINE"] = "1"
+        patches.append("tool-choice-shared-engine")
     if k.KEEP_CHECKPOINTS:
         env["VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS"] = "1"
         patches.append("mamba-align-checkpoint-order")

@@ -163,16 +163,14 @@ def test_tool_calls_through_the_qwen3_coder_parser(gpu_server):
     assert message.get("content") is not None or message.get("reasoning") is not None, message
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM 0.28 does not enforce a named tool_choice when the qwen3 reasoning "
-                   "parser and the qwen3_coder tool parser share one parser engine (vLLM issues 53745, 54808); "
-                   "docs/profiles.md, TOOLS")
 def test_named_tool_choice_is_enforced(gpu_server):
-    """Pins the upstream defect: when this passes (a fix landed), drop the mark and the docs' caveat."""
+    """A named tool_choice comes back as that call (patch tool-choice-shared-engine; thinking off, since
+    vLLM starts a structured output only after the reasoning ends)."""
     server, _, _ = gpu_server
     forced = _post(server, "/v1/chat/completions", {
         "model": server.served_name, "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [TOOL],
         "max_tokens": 64, "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-        "chat_template_kwargs": {"enable_thinking": False}})  # structured output starts after </think>
+        "chat_template_kwargs": {"enable_thinking": False}})
     assert forced.status_code == 200, forced.text
     message = forced.json()["choices"][0]["message"]
     assert message.get("tool_calls"), f"no tool call in the forced reply: {message}"

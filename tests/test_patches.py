@@ -151,8 +151,9 @@ def test_a_changed_series_upgrades_through_the_record(tree, tmp_path, wheels):
     p = d / SERIES.patches[-1].file_name
     old_text = p.read_text()
     # an older version of the last patch: one added comment line differs
-    i = old_text.index("\n+        # rig patch")
-    p.write_text(old_text[:i] + "\n+        # rig patch (old wording)" + old_text[i + len("\n+        # rig patch"):])
+    m = re.search(r"\n\+\s*# rig patch", old_text)
+    assert m, f"{p.name} has no added '# rig patch' comment line to alter"
+    p.write_text(old_text[:m.end()] + " (old wording)" + old_text[m.end():])
     patches.apply(tree, patches.load_series(d))
     assert patches.state(tree).applied_prefix is None  # the current series does not recognise it
     assert patches.apply(tree) == [p.name for p in SERIES.patches]  # reverted by record, re-applied
@@ -201,6 +202,10 @@ def _added(p: patches.Patch, envs_file: bool) -> str:
                    for h in f.hunks for tag, t in h.lines if tag == "+")
 
 
+# vLLM's own knobs a patch reads besides its new ones (declared upstream, not by the series).
+UPSTREAM_KNOBS_READ = {"VLLM_MARLIN_INPUT_DTYPE", "VLLM_ENFORCE_STRICT_TOOL_CALLING"}
+
+
 def test_every_env_knob_is_registered_in_envs_and_read_through_vllm_envs():
     for p in SERIES.patches:
         names = set(p.env_names())
@@ -210,7 +215,8 @@ def test_every_env_knob_is_registered_in_envs_and_read_through_vllm_envs():
             assert re.search(rf'^    "{name}": ', in_envs, re.M), f"{p.name}: {name} not in environment_variables"
             assert re.search(rf"^    {name}: ", in_envs, re.M), f"{p.name}: {name} not declared for type checking"
         read = set(re.findall(r"\benvs\.(VLLM_\w+)", elsewhere))
-        assert read <= names | {"VLLM_MARLIN_INPUT_DTYPE"}, f"{p.name} reads undeclared knobs {read - names}"
+        undeclared = read - names - UPSTREAM_KNOBS_READ
+        assert not undeclared, f"{p.name} reads undeclared knobs {undeclared}"
         assert names <= read, f"{p.name}: knobs {names - read} are registered but never read via vllm.envs"
         assert not re.search(r"os\.environ", elsewhere), f"{p.name} reads os.environ outside envs.py"
         # each knob's registration is a hunk of its own patch: no envs.py hunk is shared
@@ -238,6 +244,7 @@ def test_knobs_default_off_in_the_patched_envs(tmp_path, wheels, monkeypatch):
     assert envs.VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS is False
     assert envs.VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX == "2"  # a string: parsed by MambaManager with the knob on
     assert envs.VLLM_MARLIN_INT8_INCLUDE_RE == "" and envs.VLLM_MARLIN_INT8_EXCLUDE_RE == "lm_head|mtp"
+    assert envs.VLLM_TOOL_CHOICE_SHARED_ENGINE is False
     monkeypatch.setenv("VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS", "1")
     assert envs.VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS is True
 
@@ -254,6 +261,7 @@ COMPILE_FACTORS = {
     "VLLM_MARLIN_INT8_EXCLUDE_RE": ("", True),
     "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS": ("1", False),  # the scheduler's KV block pool only
     "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX": ("3", False),
+    "VLLM_TOOL_CHOICE_SHARED_ENGINE": ("1", False),  # the API server's request parser only
 }
 NOT_A_FACTOR = re.compile(r"(?:is not a|[Nn]either knob is a) compile factor")
 

@@ -125,10 +125,17 @@ def test_prefix_cache_zero_really_turns_it_off():
 def test_int8_act_exported_only_when_set():
     plan = resolve("batch", (), "gpu", environ={}, sets={"INT8_LAYERS": "gate_up"})
     assert plan.env == {"VLLM_AUTH_DENY_DEFAULT": "1", "VLLM_MARLIN_INPUT_DTYPE": "int8",
-                        "VLLM_MARLIN_INT8_INCLUDE_RE": r"\.mlp\.gate_up_proj"}
+                        "VLLM_MARLIN_INT8_INCLUDE_RE": r"\.mlp\.gate_up_proj", "VLLM_TOOL_CHOICE_SHARED_ENGINE": "1"}
     assert "marlin-int8-layer-select" in plan.patches
-    plain = resolve("batch", (), "gpu", environ={}, sets={"INT8_ACT": ""})
+    plain = resolve("batch", (), "gpu", environ={}, sets={"INT8_ACT": "", "TOOLS": "0"})
     assert plain.env == {"VLLM_AUTH_DENY_DEFAULT": "1"} and "marlin-int8-layer-select" not in plain.patches
+
+
+def test_tools_turn_on_the_tool_choice_patch_and_only_they():
+    on = resolve("batch", (), "gpu", environ={}, sets={})
+    assert on.env["VLLM_TOOL_CHOICE_SHARED_ENGINE"] == "1" and "tool-choice-shared-engine" in on.patches
+    off = resolve("batch", (), "gpu", environ={}, sets={"TOOLS": "0"})
+    assert "VLLM_TOOL_CHOICE_SHARED_ENGINE" not in off.env and "tool-choice-shared-engine" not in off.patches
 
 
 def test_keep_checkpoints_needs_prefix_cache():
