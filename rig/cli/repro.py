@@ -17,6 +17,7 @@ HELP = {
     "check": "run the offline reproducibility checks (locks, patch series, golden plans) instead; exit 1 on a "
              "failure; writes a JSON report under .rig/results/",
     "golden_dir": "with --check: compare the golden plans in this folder instead of tests/golden/plans",
+    "report_dir": "with --check: write the JSON report into this folder (default: .rig/results/)",
     "save": "write B's fingerprint (this host's, with A's plan when A is given) to this file",
     "json": "print the comparison as JSON instead of a table",
 }
@@ -27,7 +28,7 @@ def _err(msg: str) -> Exit:
     return Exit(f"rig: error: {msg}", code=2)
 
 
-def _check(golden_dir: str) -> None:
+def _check(golden_dir: str, report_dir: str) -> None:
     from rig.repro import check as checks
 
     results = checks.run(Path(golden_dir) if golden_dir else None)
@@ -35,7 +36,7 @@ def _check(golden_dir: str) -> None:
         print(f"rig: repro check {r.name:<8} {MARK[r.status]} {r.line}", flush=True)
         for d in r.details if r.status == "fail" else []:
             print(f"rig:     {d}")
-    path = checks.write_report(results)
+    path = checks.write_report(results, Path(report_dir) if report_dir else None)
     ok = checks.passed(results)
     print(f"rig: repro check {'passed' if ok else 'FAILED'}; report: {path}")
     if not ok:
@@ -66,12 +67,12 @@ def _save(fp: dict, dest: str) -> None:
 
 
 @task(help=HELP, positional=[])
-def repro(c, a="", b="", check=False, golden_dir="", save="", json_=False):
+def repro(c, a="", b="", check=False, golden_dir="", report_dir="", save="", json_=False):
     """Compare two fingerprints (verdict: identical / comparable / not comparable; exit 1 when not comparable)."""
     if check:
         if a or b:
             raise _err("--check takes no A or B; run `inv repro -a A [-b B]` to compare fingerprints")
-        return _check(golden_dir)
+        return _check(golden_dir, report_dir)
     from rig import fingerprint
     from rig.repro import diff, inputs
 
