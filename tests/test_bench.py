@@ -201,10 +201,10 @@ def test_compare_refuses_other_differences_unless_forced():
     a = _result({"PREFIX_CACHE": 0, "KV": "fp8"})
     with pytest.raises(compare.CompareError, match="more than one knob differs"):
         compare.render(a, _result({"PREFIX_CACHE": 1, "KV": "auto"}))
-    with pytest.raises(compare.CompareError, match="rig_sha: 'abc' vs 'def'"):
+    with pytest.raises(compare.CompareError, match="rig.sha: 'abc' vs 'def'"):
         compare.render(a, _result({"PREFIX_CACHE": 0, "KV": "fp8"}, sha="def"))
     forced = compare.render(a, _result({"PREFIX_CACHE": 0, "KV": "fp8"}, sha="def"), force=True)
-    assert "FORCED despite: rig_sha" in forced
+    assert "FORCED despite: rig.sha" in forced
 
 
 def test_result_files_are_written_whole(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 from rig import fingerprint, paths
 from rig.bench import compare
 from rig.bench.results import CellResult, PassResult, RunResult
+from rig.repro import diff
 
 
 def _run(fp: dict) -> RunResult:
@@ -54,10 +55,10 @@ def test_uncommitted_changes_are_part_of_what_must_match(repo):
 
 def test_compare_refuses_clean_against_uncommitted_code_and_says_so_when_both_are():
     clean, dirty = _fp(), _fp(dirty=True, changes_sha256="d" * 64)
-    with pytest.raises(compare.CompareError, match="rig_changes: None vs 'uncommitted changes dddddddddddd'"):
+    with pytest.raises(compare.CompareError, match="rig.changes: None vs 'uncommitted changes dddddddddddd'"):
         compare.render(_run(clean), _run(dirty))
     other = _fp(dirty=True, changes_sha256="e" * 64)
-    with pytest.raises(compare.CompareError, match="rig_changes"):
+    with pytest.raises(compare.CompareError, match="rig.changes"):
         compare.render(_run(dirty), _run(other))
     text = compare.render(_run(dirty), _run(_fp(utc="later", dirty=True, changes_sha256="d" * 64)))
     assert "NOTE: A was measured on abc plus uncommitted changes dddddddddddd" in text
@@ -67,7 +68,7 @@ def test_compare_refuses_clean_against_uncommitted_code_and_says_so_when_both_ar
 
 def test_an_old_dirty_fingerprint_without_a_digest_matches_nothing():
     old = _fp(dirty=True)  # written before changes_sha256 existed
-    with pytest.raises(compare.CompareError, match="rig_changes"):
+    with pytest.raises(compare.CompareError, match="rig.changes"):
         compare.render(_run(old), _run(_fp(utc="later", dirty=True)))
 
 
@@ -89,7 +90,7 @@ def test_a_failed_gpu_probe_is_unknown_not_no_gpus(monkeypatch):
     assert gpus == [] and probe.startswith("failed: "), probe
     a = {**_fp(), "gpu_probe": probe}
     b = {**_fp(utc="later"), "gpu_probe": probe}
-    assert fingerprint.comparable_keys(a)["gpus"] != fingerprint.comparable_keys(b)["gpus"]
+    assert diff.compare(a, b).verdict == "not comparable"
     with pytest.raises(compare.CompareError, match="gpus: 'unknown \\(GPU probe failed"):
         compare.render(_run(a), _run(b))
     monkeypatch.setattr(pynvml, "nvmlInit", broken)

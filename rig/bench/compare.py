@@ -1,10 +1,12 @@
 """`inv bench.compare A B`: the differences between two runs of one protocol, when they are comparable.
 
-Two runs compare when their fingerprints (``rig.fingerprint.comparable_keys``: rig commit and its
-uncommitted changes, packages, locks, GPUs, patch files, knobs) and their scale agree in everything
-but the one knob under test. PORT and API_KEY_FILE are left out: they say where a server listens,
-not what it computes. Anything else differing is refused with the list of differences, unless ``force``. A run
-of uncommitted code compares only with a run of the same changes, and the header says so.
+Two runs compare when the reproducibility verdict over their fingerprints (``rig.repro.diff.compare``:
+GPUs, engine, patch files, kernels, plan, model, locks, rig commit and its uncommitted changes) finds no
+difference that touches results but the one knob under test, and their scales agree. The plan's digest,
+profile and overlays are judged through the knobs they set. PORT and API_KEY_FILE do not touch results:
+they say where a server listens, not what it computes. Anything else differing is refused with the list
+of differences, most impact first, unless ``force``. A run of uncommitted code compares only with a run
+of the same changes, and the header says so.
 """
 
 from __future__ import annotations
@@ -12,30 +14,30 @@ from __future__ import annotations
 from typing import Any
 
 from rig.bench.results import RunResult
-from rig.fingerprint import comparable_keys, uncommitted
+from rig.repro.diff import INERT_KNOBS, Difference, compare
 
-INERT_KNOBS = ("PORT", "API_KEY_FILE")
+__all__ = ["INERT_KNOBS", "CompareError", "check", "differences", "render"]
 
 
 class CompareError(ValueError):
     """The runs are not comparable; the message lists why and how to override."""
 
 
-def differences(a: RunResult, b: RunResult) -> tuple[dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any]]]:
-    """(knob differences, other differences) between two runs' fingerprints and scales."""
-    ka, kb = comparable_keys(a.fingerprint), comparable_keys(b.fingerprint)
-    knobs_a, knobs_b = ka.pop("knobs") or {}, kb.pop("knobs") or {}
-    knobs = {k: (knobs_a.get(k), knobs_b.get(k)) for k in sorted(set(knobs_a) | set(knobs_b))
-             if k not in INERT_KNOBS and knobs_a.get(k) != knobs_b.get(k)}
-    other = {k: (ka.get(k), kb.get(k)) for k in sorted(set(ka) | set(kb)) if ka.get(k) != kb.get(k)}
+KNOB = "plan.knobs."
+
+
+def differences(a: RunResult, b: RunResult) -> tuple[dict[str, tuple[Any, Any]], list[Difference]]:
+    """(knob differences, other differences that touch results, most impact first) between two runs'
+    fingerprints and scales. With knobs on both sides, the rest of the plan (digest, profile, overlays)
+    is what the knobs make it and is not counted again."""
+    touching = compare(a.fingerprint, b.fingerprint).touching
+    knobs = {d.key[len(KNOB):]: (d.a, d.b) for d in touching if d.key.startswith(KNOB)}
+    both = all(a_or_b.fingerprint.get("plan", {}).get("knobs") for a_or_b in (a, b))
+    other = [d for d in touching if not d.key.startswith(KNOB) and not (both and d.group == "plan")]
     if a.scale != b.scale:
-        other["scale"] = (a.scale.get("factor"), b.scale.get("factor"))
-    return knobs, other
-
-
-def _short(v: Any) -> str:
-    s = repr(v)
-    return s if len(s) <= 60 else s[:57] + "..."
+        other.append(Difference("scale", a.scale.get("factor"), b.scale.get("factor"), "bench", True,
+                                "the bench's scale factor"))
+    return dict(sorted(knobs.items())), other
 
 
 def check(a: RunResult, b: RunResult, force: bool = False) -> list[str]:
@@ -44,7 +46,7 @@ def check(a: RunResult, b: RunResult, force: bool = False) -> list[str]:
         raise CompareError(f"different protocols: {a.protocol} ({a.protocol_kind}) vs {b.protocol} "
                            f"({b.protocol_kind}); compare runs of the same protocol")
     knobs, other = differences(a, b)
-    problems = [f"{k}: {_short(x)} vs {_short(y)}" for k, (x, y) in other.items()]
+    problems = [d.line() for d in other]
     if len(knobs) > 1:
         listed = ", ".join(f"{k}={x!r} vs {y!r}" for k, (x, y) in knobs.items())
         problems.append(f"more than one knob differs: {listed}")
@@ -55,8 +57,7 @@ def check(a: RunResult, b: RunResult, force: bool = False) -> list[str]:
                            + "\n  ".join(problems) + "\nre-run one of them, or pass --force to compare anyway")
     if problems:
         head += [f"FORCED despite: {p}" for p in problems]
-    head += [f"NOTE: {side} was {line}: not a committed state of rig" for side, r in (("A", a), ("B", b))
-             if (line := uncommitted(r.fingerprint))]
+    head += [f"NOTE: {note}" for note in compare(a.fingerprint, b.fingerprint).notes]
     if not (a.valid and b.valid):
         head.append(f"WARNING: invalid run(s): A valid={a.valid}, B valid={b.valid}")
     return head

@@ -139,16 +139,19 @@ def run(plan: Plan, battery: str = "auto", url: str | None = None, key: str | No
                       "digest_matches": (ref or {}).get("digest", {}).get("digest") == found["digest"]["digest"]
                       if ref else None},
     }
+    result["fingerprint"] = fingerprint.collect(plan)
     if ref:
         try:
             gates.check_reference(result, ref)
+            gates.check_setup(result["fingerprint"], ref.get("fingerprint"))
         except gates.ReferenceMismatch as e:
             raise QualityError(f"reference {ref_path} cannot be compared with this run: {e}") from None
+        setup = gates.setup_comparison(result["fingerprint"], ref.get("fingerprint"))
+        result["reference"]["fingerprint"] = setup.to_json() if setup else None
     judged = gates.judge(result, gate_cfg, res.floors, ref, is_ref=save_reference)
     result["floors"] = res.floors.model_dump()
     result["gates"] = [g.to_json() for g in judged]
     result["passed"], result["summary"] = gates.verdict(judged)
-    result["fingerprint"] = fingerprint.collect(plan)
     from rig.quality import report
 
     if save_reference:

@@ -8,6 +8,14 @@ bounded percentage, the lm-eval score may drop by a bounded number of points. A 
 without a reference fails — a quality number with nothing to compare it to is not a pass. In a run
 that *is* the reference (``--save-reference``) the relative gates judge nothing: their verdict is
 ``reference``, never ``pass``, and the run passes only when every absolute gate does.
+
+Whether the reference was measured on the same setup is ``rig.repro.diff``'s verdict, the one ``inv
+repro`` and bench compare give (``check_setup``). The plan differs on purpose (the reference is the
+known-good plan, e.g. without INT8 activations), the model's files may differ on purpose (another
+quantization of the model; the degraded control), and rig's commit moves on after a reference is saved,
+so those do not refuse; a GPU, engine (vLLM, torch, CUDA, transformers, lm-eval, Python) or patch series
+that differ do: the relative gates would then measure the setup, not the plan or the weights. The whole
+verdict is recorded in the result (``reference.fingerprint``) and printed.
 """
 
 from __future__ import annotations
@@ -55,6 +63,28 @@ def check_reference(result: dict, ref: dict) -> None:
     theirs = {s["name"]: s["sha256"] for s in ref.get("perplexity", {}).get("sets", [])}
     if mine != theirs:
         raise ReferenceMismatch(f"reference perplexity sets {theirs}, this run {mine}")
+
+
+SETUP_GROUPS = ("GPU", "engine", "patches")
+
+
+def setup_comparison(result_fp: dict | None, ref_fp: dict | None):
+    """``rig.repro.diff.compare`` of the reference's fingerprint (A) with this run's (B); None when the
+    reference records none (saved before references carried one)."""
+    from rig.repro import diff
+
+    if not result_fp or not ref_fp:
+        return None
+    return diff.compare(ref_fp, result_fp)
+
+
+def check_setup(result_fp: dict | None, ref_fp: dict | None) -> None:
+    """ReferenceMismatch when a difference in the measuring setup (``SETUP_GROUPS``) touches results."""
+    cmp = setup_comparison(result_fp, ref_fp)
+    bad = [d for d in cmp.touching if d.group in SETUP_GROUPS] if cmp else []
+    if bad:
+        raise ReferenceMismatch("measured on another setup (`inv repro` verdict: " + cmp.verdict + "): "
+                                + "; ".join(f"{d.line()} ({d.why})" for d in bad))
 
 
 def _relative_ppl(name: str, value: float, ref: float | None, pct: float, is_ref: bool) -> Gate:

@@ -82,6 +82,9 @@ def print_table(result: dict, console=None) -> None:
     console.print(p)
     console.print(f"greedy digest: {result['digest']['digest'][:16]}…  "
                   f"({result['digest']['prompts']} prompts x {result['digest']['max_tokens']} tokens)")
+    setup = (result.get("reference") or {}).get("fingerprint")
+    if setup:
+        console.print(f"reference setup (inv repro): {setup['summary']}")
     console.print(("[green]" if result["passed"] else "[red]") + f"{overall(result)}[/]: {result['summary']}")
 
 
