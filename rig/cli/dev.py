@@ -36,7 +36,7 @@ def verify(c, profile="batch", overlay=None, set=None, no_live=False):
 
 @task
 def docs(c):
-    """Regenerate the generated blocks of docs/ (knob reference, profile tables, dry run)."""
+    """Regenerate the generated blocks of README.md and docs/ (knob reference, profile tables, dry run, patch table)."""
     from rig.docgen import write_all
 
     changed = write_all()
