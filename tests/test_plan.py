@@ -18,6 +18,14 @@ from rig.knobs import Knobs
 from rig.plan import PlanError, check_with_vllm, resolve
 from rig.server import free_port, port_in_use
 
+# The shell's layout, for the tests that run `inv serve` for real: what it builds (the tiny model)
+# must go where RIG_STATE_DIR says, not into the checkout's .rig/.
+SHELL_LAYOUT = {k: os.environ[k] for k in ("RIG_STATE_DIR", "RIG_MODELS_DIR") if k in os.environ}
+
+
+def shell_env() -> dict[str, str]:
+    return {**os.environ, **SHELL_LAYOUT}
+
 
 @pytest.fixture(autouse=True)
 def _default_state_dir(monkeypatch):
@@ -245,7 +253,7 @@ def test_bad_knob_value_names_knob_value_and_allowed(knob):
 def test_serve_refuses_bad_input_with_exit_2_and_starts_nothing(how):
     port = free_port()
     cmd = [str(Path(sys.executable).with_name("inv")), "serve", "--profile", "batch", "--set", f"PORT={port}"]
-    env = {**os.environ}
+    env = shell_env()
     if how == "--set":
         cmd += ["--set", "GPU_UTIL=1.5"]
     else:
@@ -348,7 +356,7 @@ def test_cpu_preflight_refuses_a_server_the_host_cannot_hold_before_starting_it(
     port = free_port()
     r = subprocess.run([str(Path(sys.executable).with_name("inv")), "serve", "--profile", "batch", "--platform",
                         "cpu", "--set", f"PORT={port}", "--set", "KV_MEM=900T"], cwd=paths.ROOT,
-                       capture_output=True, text=True, timeout=300)
+                       env=shell_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     assert "rig: error: this host has" in r.stderr and "KV_MEM 921600.00" in r.stderr
     assert not port_in_use(port)
