@@ -135,13 +135,15 @@ def pack(wheelhouse: Path, rows: list[Row], out: Path, piece_size: int, python: 
     """Write the pieces, SHA256SUMS, WHEELS.sha256 and install.sh for ``rows`` of ``wheelhouse`` into ``out``.
 
     The tar is deterministic (sorted names, zero times and owners): the same wheels give the same
-    pieces, so a piece carried twice is the same file.
+    pieces, so a piece carried twice is the same file. GNU format, not ustar: wheel names with
+    several platform tags pass ustar's 100-character limit (pybase64's cp312 wheel has 112), and
+    every ``tar -x`` a host has reads GNU long names.
     """
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob(f"{TAR}.*"):
         old.unlink()
     stream = _Pieces(out / TAR, piece_size)
-    with tarfile.open(fileobj=stream, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
+    with tarfile.open(fileobj=stream, mode="w|", format=tarfile.GNU_FORMAT) as tar:
         for r in sorted(rows, key=lambda r: r.file):
             src = wheelhouse / r.file
             info = tarfile.TarInfo(r.file)

@@ -211,6 +211,20 @@ def test_pieces_reassemble_and_install_with_the_generated_script(small, tmp_path
     assert probe.returncode == 0 and probe.stdout.startswith(str(tmp_path / "site")), probe.stderr
 
 
+def test_a_wheel_name_longer_than_ustar_allows_is_packed_whole(tmp_path):
+    """pybase64's cp312 wheel is named with 112 characters: ustar (100) refused it; tar -x must get it back."""
+    name = "pybase64-1.5.1-cp312-cp312-manylinux1_x86_64.manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_5_x86_64.whl"
+    house = tmp_path / "house"
+    house.mkdir()
+    (house / name).write_bytes(b"PK wheel bytes")
+    row = wheelhouse.Row("pybase64", "1.5.1", name, bootstrap.sha256_file(house / name), 14)
+    packed = carry.pack(house, [row], tmp_path / "carry", 64 * 1024, "3.12")
+    joined = tmp_path / "joined.tar"
+    joined.write_bytes(b"".join(p.read_bytes() for p in packed.pieces))
+    listed = subprocess.run(["tar", "-t", "-f", str(joined)], capture_output=True, text=True, check=True)
+    assert listed.stdout.splitlines() == [name]
+
+
 def test_a_damaged_piece_stops_the_install_script(small, tmp_path):
     _, house, rows = small
     out = tmp_path / "carry"
