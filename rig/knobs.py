@@ -72,6 +72,15 @@ class Knobs(BaseModel):
         lt=1,
         description=("share of GPU memory vLLM may use (on CPU: of the NUMA node's RAM); use 0.93 for prompt_logprobs"),
     )
+    GPU_MEM: int = Field(
+        ge=0,
+        le=2**50,
+        description=(
+            "GPU memory to plan for, in bytes (vLLM's syntax: 24G = 24 GiB); vLLM may use GPU_UTIL of it in all "
+            "(weights, activations, CUDA graphs, KV). 0 = the whole card. The gpu24 overlay sets 24G: a bigger "
+            "GPU then sizes its KV pool as an RTX 3090 does; also keeps room for a desktop"
+        ),
+    )
     KV_MEM: int = Field(
         ge=0,
         le=2**50,
@@ -91,7 +100,9 @@ class Knobs(BaseModel):
         description=("prefill attention kernel: `auto` (vLLM's choice) or `int8` (needs kernels/int8-prefill-attn)")
     )
     MODEL: str = Field(
-        min_length=1, description="checkpoint folder, or `tiny:hybrid` / `tiny:dense` for a model rig builds"
+        min_length=1,
+        description=("checkpoint folder, or `tiny:hybrid` / `tiny:dense` for a model rig builds, or "
+                     "`fixture:<shape>` for a random-weight benchmark fixture of models/<shape>.toml (never a model)"),
     )
     SERVED_NAME: str = Field(min_length=1, description="model name clients send (--served-model-name)")
     API_KEY_FILE: str = Field(min_length=1, description="file holding the API key (generated, mode 0600, when absent)")
@@ -133,7 +144,7 @@ class Knobs(BaseModel):
                              "set INT8_ACT='' (empty), for every layer say '.'")
         return v
 
-    @field_validator("KV_MEM", mode="before")
+    @field_validator("KV_MEM", "GPU_MEM", mode="before")
     @classmethod
     def _bytes(cls, v: Any) -> Any:
         return parse_bytes(v) if isinstance(v, str) else v
@@ -198,6 +209,8 @@ def allowed(name: str) -> str:
         return "mlp, gate_up, . or a regex" if name == "INT8_LAYERS" else "a string"
     if name == "KV_MEM":
         return "bytes >= 0, e.g. 3221225472, 3G (GiB) or 3g (10**9); 0 = sized by GPU_UTIL"
+    if name == "GPU_MEM":
+        return "bytes >= 0, e.g. 24G (GiB) or 24g (10**9); 0 = the whole card"
     bounds = []
     for m in field.metadata:
         for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):

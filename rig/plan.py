@@ -138,6 +138,10 @@ def rules(k: Knobs, pf: profiles.ProfileFile, platform: str) -> tuple[list[str],
         errors.append("GPU_ARCH='cpu' on the gpu platform; allowed: sm86, sm89, sm90, sm100, sm120")
     if k.KEEP_CHECKPOINTS and not k.PREFIX_CACHE:
         errors.append("KEEP_CHECKPOINTS=1: keeps prefix-cache checkpoints, so it needs PREFIX_CACHE=1; allowed: 0")
+    if k.MODEL.startswith("fixture:") and "fixture" not in k.SERVED_NAME:
+        fix["SERVED_NAME"] = f"{k.MODEL.split(':', 1)[1]}-FIXTURE-random-weights"
+        warnings.append(f"MODEL={k.MODEL!r} is a benchmark fixture (random weights, its text is noise): served as "
+                        f"{fix['SERVED_NAME']!r} so no result mistakes it for a model")
     if k.HOST not in LOOPBACK:
         warnings.append(f"HOST={k.HOST!r} is reachable from the network: every request needs the API key")
     if k.TOOLS and k.TOOL_PARSER == "hermes":
@@ -159,7 +163,19 @@ def _flag(name: str, value: Any) -> list[str]:
 
 
 def model_path(ref: str) -> str:
-    """`tiny:<arch>` -> the folder rig builds it in (relative to the repo when inside it)."""
+    """`tiny:<arch>` / `fixture:<shape>` -> the folder rig builds it in (relative to the repo when inside it)."""
+    if ref.startswith("fixture:"):
+        from rig import paths
+        from rig.models import fixture
+
+        try:
+            folder = paths.models_dir() / fixture.FixtureSpec(ref.split(":", 1)[1]).name
+        except fixture.FixtureError as e:
+            raise PlanError([f"MODEL={ref!r}: {e}"]) from None
+        try:
+            return str(folder.relative_to(paths.ROOT))
+        except ValueError:
+            return str(folder)
     if ref.startswith("tiny:"):
         from rig import paths
         from rig.models.tiny import TinySpec

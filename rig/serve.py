@@ -37,6 +37,7 @@ class Device:
     name: str
     arch: str
     free_gib: float | None = None
+    total_bytes: int | None = None
 
 
 def probe_device(plan: Plan) -> Device:
@@ -59,15 +60,38 @@ def probe_device(plan: Plan) -> Device:
     except Exception as e:
         raise PreflightError(f"no CUDA GPU answers NVML ({e}); on a CPU host use the cpu overlay "
                              "(the default there)") from None
-    dev = Device("gpu", str(name), f"sm{major}{minor}", mem.free / 2**30)
+    dev = Device("gpu", str(name), f"sm{major}{minor}", mem.free / 2**30, int(mem.total))
     if dev.arch != plan.knobs["GPU_ARCH"]:
         print(f"rig: warning: the plan targets {plan.knobs['GPU_ARCH']}, this GPU is {dev.arch} ({dev.name}); "
               f"set GPU_ARCH={dev.arch} to validate for it", file=sys.stderr)
-    need = plan.knobs["GPU_UTIL"] * mem.total / 2**30
+    planned = plan.knobs.get("GPU_MEM") or mem.total
+    if planned > mem.total:
+        raise PreflightError(f"GPU_MEM={planned / 2**30:.1f} GiB: this GPU has {mem.total / 2**30:.1f} GiB in all; "
+                             "lower GPU_MEM or leave it 0 (the whole card)")
+    need = plan.knobs["GPU_UTIL"] * planned / 2**30
     if dev.free_gib < need * 0.98:
         raise PreflightError(f"GPU has {dev.free_gib:.1f} GiB free, GPU_UTIL={plan.knobs['GPU_UTIL']} needs "
                              f"{need:.1f} GiB: stop what else uses it (nvidia-smi) or lower GPU_UTIL")
     return dev
+
+
+def device_argv(plan: Plan, dev: Device) -> list[str]:
+    """The plan's argv for this device: with GPU_MEM, ``--gpu-memory-utilization`` becomes a share of this card.
+
+    vLLM sizes everything from a fraction of the card's total memory; GPU_MEM says how many bytes
+    to plan for, so the fraction is GPU_UTIL x GPU_MEM / total — known only once NVML has answered,
+    which is why the plan (host-independent) keeps GPU_UTIL and the conversion happens here.
+    """
+    argv = list(plan.argv)
+    if not plan.knobs.get("GPU_MEM") or dev.total_bytes is None:
+        return argv
+    i = argv.index("--gpu-memory-utilization")
+    share = plan.knobs["GPU_UTIL"] * plan.knobs["GPU_MEM"] / dev.total_bytes
+    argv[i + 1] = f"{share:.6f}"
+    print(f"rig: GPU_MEM={plan.knobs['GPU_MEM'] / 2**30:.2f} GiB of this {dev.total_bytes / 2**30:.1f} GiB "
+          f"{dev.name}: --gpu-memory-utilization {argv[i + 1]} (GPU_UTIL {plan.knobs['GPU_UTIL']} of GPU_MEM)",
+          file=sys.stderr, flush=True)
+    return argv
 
 
 def ensure_model(plan: Plan) -> Path:
@@ -78,6 +102,14 @@ def ensure_model(plan: Plan) -> Path:
         from rig.models.tiny import TinySpec, build
 
         return build(TinySpec(arch=plan.knobs["MODEL"].split(":", 1)[1]), folder)
+    if plan.knobs["MODEL"].startswith("fixture:"):
+        from rig.models import fixture
+
+        spec = fixture.FixtureSpec(plan.knobs["MODEL"].split(":", 1)[1])
+        if not fixture.verify(folder):
+            print(f"rig: building the benchmark fixture {spec.name} (random weights, "
+                  f"{fixture.weights_bytes(spec) / 2**30:.1f} GiB) into {folder}", file=sys.stderr, flush=True)
+        return fixture.build(spec, folder)
     if not (folder / "config.json").is_file():
         raise PreflightError(f"MODEL={plan.knobs['MODEL']!r}: no checkpoint at {folder} (config.json missing); "
                              "put the W4A16 AutoRound checkpoint there or set MODEL=/path/to/it")
@@ -170,9 +202,10 @@ def vllm_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
-def server_for(plan: Plan, key: str, log_path: Path, echo: bool = False) -> VllmServer:
-    """A VllmServer for a plan: the venv's vllm, caches in the project, the key in the environment."""
-    argv = [*vllm_command(), *plan.argv[1:]]
+def server_for(plan: Plan, key: str, log_path: Path, echo: bool = False,
+               argv: list[str] | None = None) -> VllmServer:
+    """A VllmServer for a plan (or its device argv): the venv's vllm, caches in the project, the key in the env."""
+    argv = [*vllm_command(), *(argv or plan.argv)[1:]]
     env = {**paths.cache_env(), **plan.env, "VLLM_API_KEY": key}
     return VllmServer(argv=argv, env=env, log_path=log_path, host=connect_host(plan), port=plan.knobs["PORT"],
                       api_key=key, served_name=plan.served_name, echo=echo)
@@ -203,7 +236,7 @@ def start(plan: Plan, echo: bool = False, log_path: Path | None = None, ready_ti
     """Preflight, start, wait until a completion and a MAX_SEQS burst succeed; returns the running server."""
     dev, model, key_path, key = preflight(plan)
     log_path = log_path or paths.logs_dir() / f"serve-{plan.profile}-{time.strftime('%Y%m%dT%H%M%S')}.log"
-    server = server_for(plan, key, log_path, echo=echo)
+    server = server_for(plan, key, log_path, echo=echo, argv=device_argv(plan, dev))
     server.start()
     try:
         server.wait_ready(timeout=ready_timeout)

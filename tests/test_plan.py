@@ -234,6 +234,7 @@ BAD = {
     "SPEC": "eagle", "SPEC_K": "0", "DRAFT_MODEL": "", "PREFILL_ATTN": "fp4", "MODEL": "", "SERVED_NAME": "",
     "API_KEY_FILE": "", "TP": "3", "PP": "0", "EXECUTOR": "slurm", "MAMBA_SSM_DTYPE": "int8",
     "BLOCK_SIZE": "-1", "GPU_ARCH": "sm75", "ENFORCE_EAGER": "2", "KEEP_CHECKPOINTS": "yes", "KV_MEM": "3GB",
+    "GPU_MEM": "24 GiB",
 }
 
 
@@ -292,6 +293,32 @@ def test_kv_mem_maps_to_kv_cache_memory_bytes_and_is_fixed_on_cpu():
     env = resolve("batch", (), "gpu", environ={"KV_MEM": "12g"})
     assert env.argv[env.argv.index("--kv-cache-memory-bytes") + 1] == "12000000000"
     check_with_vllm(env.argv)
+
+
+def test_gpu_mem_makes_gpu_util_a_share_of_those_bytes_on_the_card_found():
+    """gpu24 on a 140 GiB card: --gpu-memory-utilization becomes 0.972 x 24 / 140; refused above the card."""
+    from rig.serve import Device, device_argv
+
+    plan = resolve("batch", ("gpu24",), "gpu", environ={})
+    assert plan.knobs["GPU_MEM"] == 24 * 2**30 and plan.sources["GPU_MEM"] == "overlay:gpu24"
+    assert plan.argv[plan.argv.index("--gpu-memory-utilization") + 1] == "0.972"  # the plan stays host-free
+    h200 = Device("gpu", "NVIDIA H200", "sm90", 139.0, 143771 * 2**20)
+    argv = device_argv(plan, h200)
+    share = float(argv[argv.index("--gpu-memory-utilization") + 1])
+    assert share * 143771 * 2**20 == pytest.approx(0.972 * 24 * 2**30, rel=1e-5)
+    assert device_argv(resolve("batch", (), "gpu", environ={}), h200) == resolve("batch", (), "gpu", environ={}).argv
+    check_with_vllm(argv)
+    with pytest.raises(PlanError, match="GPU_MEM='24 GB': "):
+        resolve("batch", (), "gpu", environ={}, sets={"GPU_MEM": "24 GB"})
+
+
+def test_a_fixture_model_is_served_under_a_name_that_says_so():
+    plan = resolve("batch", (), "gpu", environ={}, sets={"MODEL": "fixture:qwen3.5-27b-class"})
+    assert plan.served_name == "qwen3.5-27b-class-FIXTURE-random-weights" and plan.sources["SERVED_NAME"] == "rule"
+    assert "fixture-qwen3.5-27b-class-w4a16-s0-" in plan.model
+    assert any("benchmark fixture (random weights" in w for w in plan.warnings)
+    with pytest.raises(PlanError, match="MODEL='fixture:qwen9': model shape 'qwen9': no models/qwen9.toml"):
+        resolve("batch", (), "gpu", environ={}, sets={"MODEL": "fixture:qwen9"})
 
 
 def test_empty_int8_layers_is_refused_naming_the_ways_to_say_none_and_all():

@@ -213,7 +213,8 @@ def test_pieces_reassemble_and_install_with_the_generated_script(small, tmp_path
 
 def test_a_wheel_name_longer_than_ustar_allows_is_packed_whole(tmp_path):
     """pybase64's cp312 wheel is named with 112 characters: ustar (100) refused it; tar -x must get it back."""
-    name = "pybase64-1.5.1-cp312-cp312-manylinux1_x86_64.manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_5_x86_64.whl"
+    name = ("pybase64-1.5.1-cp312-cp312-manylinux1_x86_64.manylinux2014_x86_64.manylinux_2_17_x86_64."
+            "manylinux_2_5_x86_64.whl")
     house = tmp_path / "house"
     house.mkdir()
     (house / name).write_bytes(b"PK wheel bytes")
