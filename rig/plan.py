@@ -236,6 +236,10 @@ def needs(k: Knobs) -> tuple[dict[str, str], list[str], list[str]]:
     if k.INT8_ACT:
         env["VLLM_MARLIN_INPUT_DTYPE"] = k.INT8_ACT
         env["VLLM_MARLIN_INT8_INCLUDE_RE"] = INT8_LAYER_ALIASES.get(k.INT8_LAYERS, k.INT8_LAYERS)
+        # On Hopper vLLM 0.28 picks Machete for W4A16 and hands it the int8 input dtype, which it
+        # cannot prepack ("prepack_B_dispatch ... not implemented for atype = Char", seen on an
+        # H200, docs/gpu.md); with Machete off every card runs Marlin, the 3090's kernel.
+        env["VLLM_DISABLED_KERNELS"] = "MacheteLinearKernel"
         patches.append("marlin-int8-layer-select")
     if k.TOOLS:  # a required or named tool_choice is enforced (vLLM 0.28 ignores it with qwen3 + qwen3_coder)
         env["VLLM_TOOL_CHOICE_SHARED_ENGINE"] = "1"
