@@ -130,7 +130,8 @@ def test_refusals_say_why_and_what_to_do(tmp_path):
     cached = _target(_plan(tmp_path, PREFIX_CACHE="1"))
     why = attach.refusals(protos, cached, {})
     assert len(why) == 2, why
-    assert "'raw'" in why[0] and "PREFIX_CACHE=1 (needs 0)" in why[0] and "inv serve --set SPEC=off --set PREFIX_CACHE=0" in why[0]
+    assert "'raw'" in why[0] and "PREFIX_CACHE=1 (needs 0)" in why[0]
+    assert "inv serve --set SPEC=off --set PREFIX_CACHE=0" in why[0]
     assert "'shared-prefix' compares two servers" in why[1] and "without --running" in why[1]
     plain = _target(_plan(tmp_path))
     assert attach.refusals(protos[:2], plain, {}) == []  # the batch plan meets raw's requires

@@ -246,8 +246,8 @@ class Run:
 
     def _mark_not_run(self, why: str) -> None:
         assert self.result is not None
-        ran = {c.label for c in self.result.cells if c.passes}
-        self.result.not_run = [lb for lb in getattr(self, "_planned", []) if lb not in ran]
+        started = len(self.result.cells)  # cells are appended as they start, in plan order
+        self.result.not_run = getattr(self, "_planned", [])[started:]
         if self.result.not_run:
             self.result.notes.append(f"not run ({why.split(':')[0]}): {', '.join(self.result.not_run)}")
 
