@@ -126,7 +126,7 @@ def _bench(path: str, **kw) -> RunResult:
     from rig.cli import bench
 
     try:
-        bench.run(Context(), protocol=[path], running=True, scale="1", progress=False, **kw)
+        bench.run(Context(), protocol=[path], **{"running": True, **kw}, scale="1", progress=False)
         code = 0
     except Exit as e:
         code = e.code
@@ -245,6 +245,30 @@ def test_bench_quality_and_verify_measure_the_recorded_server(batch, in_state, t
     assert q["server"]["pid"] == rec.pid and q["perplexity"]["overall"] > 0
     dev.verify(Context(), running=True)  # raises Exit(1) on a failed check
     assert f"pid {rec.pid}" in capsys.readouterr().out
+
+
+def test_a_server_rig_did_not_start_is_described_by_what_it_answers(batch, in_state, tmp_path, capsys, monkeypatch):
+    """--url: no record is used (none is trusted): the result is marked external, with /version and /v1/models."""
+    from rig.cli import bench, dev
+
+    in_state(batch)
+    rec = batch.record
+    key_file = rec.api_key_file
+    before = _counters(batch)
+    with pytest.raises(Exit) as e:
+        bench.run(Context(), protocol=["raw"], url=rec.url, key_file=key_file, progress=False)
+    assert e.value.code == 2 and "cannot verify" in str(e.value.message) and _counters(batch) == before
+    r = _bench(_protocol(tmp_path, "foreign", [(64, 16, 2, 2)]), seed=840_000, running=False, url=rec.url,
+               key_file=key_file)
+    assert r.valid, r.problems
+    assert r.server["started_by"] == "external" and r.server["version"].startswith("0.28."), r.server
+    assert r.server["models"][0]["id"] == rec.served_name
+    assert r.server["cache_config"]["enable_prefix_caching"] == "False"
+    assert r.plan == {} and "plan" not in r.fingerprint
+    assert any("plan and fingerprint are unknown" in n for n in r.notes), r.notes
+    monkeypatch.setenv("COLUMNS", "400")
+    dev.verify(Context(), url=rec.url, key_file=key_file)
+    assert "not started by rig: vLLM 0.28." in capsys.readouterr().out
 
 
 def test_a_server_killed_mid_run_makes_it_invalid_keeps_the_data_and_sends_nothing_more(batch, in_state, tmp_path,
