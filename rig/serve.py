@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from rig import paths
+from rig import paths, running
 from rig.plan import LOOPBACK, Plan, PlanError
 from rig.server import ServerError, VllmServer, log_tail, port_in_use
 
@@ -262,11 +262,15 @@ def run_foreground(plan: Plan) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     server = None
+    record = None
     try:
         server = start(plan, echo=True)
+        record = running.write(plan, server)
         key_file = Path(plan.api_key_file)
         print(f"\nrig: ready — {server.url}/v1  model: {plan.served_name}  API key: {key_file} (mode 0600)\n"
-              f"rig: log: {server.log_path}   stop: Ctrl-C", flush=True)
+              f"rig: log: {server.log_path}   stop: Ctrl-C\n"
+              f"rig: recorded in {record}: `inv bench --running`, `inv quality --running` and "
+              f"`inv verify --running` measure this server", flush=True)
         if plan.knobs["HOST"] not in LOOPBACK:
             print(f"rig: listening on {plan.knobs['HOST']}: reachable from the network, API key required", flush=True)
         while server.alive():
@@ -277,9 +281,11 @@ def run_foreground(plan: Plan) -> int:
     except KeyboardInterrupt:
         print("\nrig: stopping the server and all its processes", flush=True)
         return 0
-    except (PreflightError, PlanError, ServerError) as e:
+    except (PreflightError, PlanError, ServerError, running.RunningError) as e:
         print(f"rig: error: {e}", file=sys.stderr)
-        return 2 if not isinstance(e, ServerError) else 1
+        return 2 if isinstance(e, PreflightError | PlanError) else 1
     finally:
+        if record is not None:
+            running.remove(record, server.proc.pid)
         if server is not None:
             server.stop()

@@ -61,28 +61,56 @@ def check_model(plan: Plan) -> str:
     return f"model ready: {ensure_model(plan)}"
 
 
+def probe(url: str, headers: dict[str, str], served_name: str | None) -> None:
+    """One chat turn, /metrics, and a refusal without the key: the smallest proof a server works."""
+    with httpx.Client(timeout=120, headers=headers) as c:
+        chat = c.post(f"{url}/v1/chat/completions", json={
+            "model": served_name, "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 8, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}})
+        chat.raise_for_status()
+        metrics = c.get(f"{url}/metrics").text
+        if "vllm:generation_tokens_total" not in metrics:
+            raise RuntimeError("/metrics has no vllm:generation_tokens_total")
+        if httpx.get(f"{url}/v1/models", timeout=30).status_code != 401:
+            raise RuntimeError("the server answers without the API key")
+
+
 def check_live(plan: Plan) -> str:
     from rig.serve import start
 
     server = start(plan)
     try:
-        with httpx.Client(timeout=120, headers=server.headers()) as c:
-            chat = c.post(f"{server.url}/v1/chat/completions", json={
-                "model": plan.served_name, "messages": [{"role": "user", "content": "Say hello."}],
-                "max_tokens": 8, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}})
-            chat.raise_for_status()
-            metrics = c.get(f"{server.url}/metrics").text
-            if "vllm:generation_tokens_total" not in metrics:
-                raise RuntimeError("/metrics has no vllm:generation_tokens_total")
-            if httpx.get(f"{server.url}/v1/models", timeout=30).status_code != 401:
-                raise RuntimeError("the server answers without the API key")
+        probe(server.url, server.headers(), plan.served_name)
     finally:
         server.stop()
     return f"live server ({plan.profile}, {plan.platform}): completion, chat, metrics, auth ok"
 
 
-def run(plan: Plan, live: bool = True) -> bool:
-    """Run every check, print the table; True when all passed."""
+def check_recorded() -> str:
+    """The server `serve` recorded (no server is started): still the recorded process, and it answers."""
+    from rig.running import find
+
+    rec = find()
+    if why := rec.check():
+        raise RuntimeError(why)
+    probe(rec.url, rec.headers(), rec.served_name)
+    return (f"running server at {rec.url} (pid {rec.pid}, plan {rec.plan_digest[:12]}, recorded by serve): "
+            "chat, metrics, auth ok")
+
+
+def check_foreign(url: str, key: str | None) -> str:
+    """A server rig did not start: what it says it is, and the same probe."""
+    from rig.running import describe_foreign
+
+    desc = describe_foreign(url, key)
+    name = (desc.get("models") or [{}])[0].get("id")
+    probe(url.rstrip("/"), {"Authorization": f"Bearer {key}"} if key else {}, name)
+    return f"server at {url} (not started by rig: vLLM {desc.get('version')}, model {name}): chat, metrics, auth ok"
+
+
+def run(plan: Plan, live: bool = True, server: Callable[[], str] | None = None) -> bool:
+    """Run every check, print the table; True when all passed. ``server``: the live check of a server
+    that is already up (check_recorded, check_foreign) instead of starting the plan's."""
     from rig.bootstrap import detect_env
 
     checks: list[tuple[str, Callable[[], str]]] = [
@@ -91,7 +119,9 @@ def run(plan: Plan, live: bool = True) -> bool:
         ("patches", check_patches),
         ("model", lambda: check_model(plan)),
     ]
-    if live:
+    if server is not None:
+        checks.append(("server", server))
+    elif live:
         checks.append(("server", lambda: check_live(plan)))
     table = Table("check", "result", "detail")
     ok = True

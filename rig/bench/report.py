@@ -160,6 +160,12 @@ def render_markdown(r: RunResult) -> str:
             f"- rig {fp.get('rig', {}).get('sha')}"
             + (" **with uncommitted changes**" if fp.get("rig", {}).get("dirty") else "")
             + f", plan {fp.get('plan', {}).get('sha256', '')[:12]}"]
+    if r.server:
+        who = r.server.get("started_by", "?")
+        head.append(f"- server: {who} at {r.server.get('url')}"
+                    + (f", pid {r.server['pid']}" if r.server.get("pid") else "")
+                    + (f", plan {r.server['plan_digest'][:12]}" if r.server.get("plan_digest") else
+                       f", vLLM {r.server.get('version')}, models {[m.get('id') for m in r.server.get('models', [])]}"))
     head += [f"- {n}" for n in r.notes]
     flags = sorted({f"{c.label}: {f}" for c in r.cells for f in c.flags if "queue time" not in f})
     head += [f"- flag: {f}" for f in flags]

@@ -107,6 +107,10 @@ class RunResult(BaseModel):
     variant_plans: dict[str, dict[str, Any]] = Field(default_factory=dict,
                                                      description="variant -> resolved plan, when variants ran")
     knobs: dict[str, Any] = Field(description="the (first) server's resolved knobs")
+    server: dict[str, Any] = Field(default_factory=dict, description=(
+        "which server was measured: started_by (rig bench / rig serve (recorded) / external), url, plan_digest, "
+        "and for a recorded server its pid and start time; for an external one what /v1/models, /version and "
+        "/metrics said"))
     fingerprint: dict[str, Any] = Field(description="rig.fingerprint.collect(plan)")
     scale: dict[str, Any] = Field(description="the size scale applied (factor 1 = the reference's sizes)")
     repeat: int = Field(description="kept passes per cell")
@@ -117,6 +121,8 @@ class RunResult(BaseModel):
     problems: list[str] = Field(default_factory=list, description="why valid is false")
     notes: list[str] = Field(default_factory=list, description="method notes (prefix-cache resets, scaling)")
     cells: list[CellResult] = Field(default_factory=list, description="every workload, in table order")
+    not_run: list[str] = Field(default_factory=list, description=(
+        "cells never sent: the server died or restarted before them (the run is invalid)"))
     derived: dict[str, float | None] = Field(default_factory=dict,
                                              description="figures across cells (e.g. the prefix-cache speedup)")
     files: dict[str, str] = Field(default_factory=dict, description="name -> file of this run folder")

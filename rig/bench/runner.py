@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from rig import fingerprint, paths
-from rig.bench import client, metrics, protocols, report
+from rig.bench import client, failures, metrics, protocols, report
 from rig.bench.protocols import (
     BenchError,
     CohortProtocol,
@@ -56,11 +56,43 @@ class Target:
     plan: Any
     alive: Callable[[], bool]
     log_path: Path | None = None
+    # why the server is no longer the one measured (gone, restarted, silent), None while it is: a running
+    # server's record checks pid, start time and /health (rig.running.Record.check)
+    gone: Callable[[], str | None] | None = None
+    # which server this is, for the result: who started it and how to know it again
+    server: dict[str, Any] = field(default_factory=dict)
+    # a server of someone else's process: the bench must not assume its knobs (reset, requires)
+    foreign: bool = False
 
     @classmethod
     def of(cls, server: Any, plan: Any) -> Target:
         return cls(server.url, server.headers(), server.served_name or plan.served_name, plan, server.alive,
-                   getattr(server, "log_path", None))
+                   getattr(server, "log_path", None),
+                   server={"started_by": "rig bench", "url": server.url, "plan_digest": plan.digest})
+
+    @classmethod
+    def of_record(cls, rec: Any) -> Target:
+        """The server `serve` recorded (rig.running.Record): its plan, and a liveness check of pid + start time."""
+        plan = rec.plan_obj()
+        return cls(rec.url, rec.headers(), rec.served_name, plan, lambda: rec.same_process(),
+                   Path(rec.log_path) if rec.log_path else None, gone=rec.check,
+                   server={"started_by": "rig serve (recorded)", "url": rec.url, "plan_digest": rec.plan_digest,
+                           "pid": rec.pid, "start_time": rec.start_time, "recorded_utc": rec.recorded_utc,
+                           "fingerprint_at_start": rec.fingerprint})
+
+    def why_gone(self, probe: bool) -> str | None:
+        """Why the server can no longer be measured; with probe, a silent server counts too (/health)."""
+        if not self.alive():
+            return "the server process exited"
+        if self.gone is not None:
+            return self.gone()
+        if probe:
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=10)
+                return None if r.status_code == 200 else f"the server answers /health with HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                return f"the server stopped answering /health ({type(e).__name__})"
+        return None
 
     @property
     def tokenizer(self) -> str:
@@ -85,18 +117,27 @@ def check_requires(required: dict[str, Any], plan: Any, what: str) -> None:
 
 def reset_prefix_cache(t: Target) -> str:
     """POST /reset_prefix_cache (needs VLLM_SERVER_DEV_MODE=1 in 0.28); a note on what happened."""
+    return try_reset(t)[1]
+
+
+def try_reset(t: Target) -> tuple[bool | None, str]:
+    """(reset done: True, not possible: False, not needed: None; the note saying so)."""
     if not t.plan.knobs.get("PREFIX_CACHE"):
-        return "prefix cache reset: not needed (the server runs with PREFIX_CACHE=0)"
+        return None, "prefix cache reset: not needed (the server runs with PREFIX_CACHE=0)"
     try:
         r = httpx.post(f"{t.url}/reset_prefix_cache", headers=t.headers, timeout=30)
     except httpx.HTTPError as e:
-        return f"prefix cache reset: failed ({e}); distinct seeds per call still keep prompts apart"
+        return False, f"prefix cache reset: failed ({e}); distinct seeds per call still keep prompts apart"
     if r.status_code == 200 and r.json().get("success"):
-        return "prefix cache reset: done before the protocol (POST /reset_prefix_cache)"
+        return True, "prefix cache reset: done before the protocol (POST /reset_prefix_cache)"
     if r.status_code == 404:
-        return ("prefix cache reset: unavailable (vLLM 0.28 serves /reset_prefix_cache only with "
-                "VLLM_SERVER_DEV_MODE=1); distinct seeds per call keep prompts from repeating")
-    return f"prefix cache reset: refused (HTTP {r.status_code} {r.text[:100]})"
+        return False, ("prefix cache reset: unavailable (vLLM 0.28 serves /reset_prefix_cache only with "
+                       "VLLM_SERVER_DEV_MODE=1); distinct seeds per call keep prompts from repeating")
+    return False, f"prefix cache reset: refused (HTTP {r.status_code} {r.text[:100]})"
+
+
+NOT_RESET_WARNING = ("warning: the prefix cache was NOT reset between passes ({why}): every pass used its own "
+                     "seeds, so no prompt repeats, but what earlier passes left in the cache may still be hit")
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -136,8 +177,23 @@ class Run:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         self.dir = RunDir(self.out or paths.results_dir() / f"{stamp}-{self.name}-{self.profile}")
         self._bar = report.Progress(enabled=self.progress)
+        self._resets: dict[str, dict[str, Any]] = {}
+        self.server_died: str | None = None  # why, when the server died or restarted: nothing more is sent
 
     # -- bookkeeping ---------------------------------------------------------------------------
+    def reset_between_passes(self, t: Target) -> None:
+        """Reset the prefix cache before a pass where the server allows it; else warn once in the result."""
+        state = self._resets.setdefault(t.url, {"ok": None, "n": 0})
+        if state["ok"] is False or not t.plan.knobs.get("PREFIX_CACHE"):
+            return
+        ok, note = try_reset(t)
+        if ok:
+            state.update(ok=True, n=state["n"] + 1)
+            return
+        state["ok"] = False
+        assert self.result is not None
+        self.result.notes.append(NOT_RESET_WARNING.format(why=note.split(": ", 1)[-1].split(";")[0]))
+
     def next_seed(self) -> int:
         self._seed += 1
         assert self.result is not None
@@ -147,13 +203,22 @@ class Run:
     def _start(self, t: Target) -> RunResult:
         return RunResult(
             protocol=self.name, protocol_kind=self.protocol.kind, protocol_def=self.protocol.model_dump(),
-            profile=self.profile, plan=t.plan.model_dump(), knobs=dict(t.plan.knobs),
-            fingerprint=fingerprint.collect(t.plan), scale=self.scale.model_dump(), repeat=self.repeat,
+            profile=self.profile, plan={} if t.foreign else t.plan.model_dump(),
+            knobs={} if t.foreign else dict(t.plan.knobs),
+            fingerprint=fingerprint.collect(None if t.foreign else t.plan), scale=self.scale.model_dump(),
+            repeat=self.repeat,
+            server=t.server,
             started_utc=datetime.now(UTC).isoformat(timespec="seconds"),
             notes=[] if self.scale.factor == 1 else [
                 f"sizes scaled by {self.scale.factor:g} (token lengths and request counts; concurrency capped by "
                 f"the server's MAX_SEQS and the request count): not comparable with full-size runs"],
         )
+
+    def _begin(self, t: Target) -> RunResult:
+        r = self._start(t)
+        if t.foreign:
+            r.notes.append(t.server.get("note", "a server rig did not start"))
+        return r
 
     def _save(self) -> None:
         assert self.result is not None
@@ -170,9 +235,21 @@ class Run:
             self.result.invalidate(f"{cell.label} (warm-up): {'; '.join(p.problems)}")
         cell.summarize()
         self._save()
-        if not t.alive():
-            raise ServerDied(f"the server died during {cell.label}"
+        why = t.why_gone(probe=not p.ok)
+        if why:
+            raise ServerDied(f"{why} during {cell.label}: the run stops here"
                              + (f" (log: {t.log_path})" if t.log_path else ""))
+
+    def _plan_cells(self, labels: list[str]) -> None:
+        """The cells this run means to measure, so the ones a dead server stops are named "not run"."""
+        self._planned = list(labels)
+
+    def _mark_not_run(self, why: str) -> None:
+        assert self.result is not None
+        started = len(self.result.cells)  # cells are appended as they start, in plan order
+        self.result.not_run = getattr(self, "_planned", [])[started:]
+        if self.result.not_run:
+            self.result.notes.append(f"not run ({why.split(':')[0]}): {', '.join(self.result.not_run)}")
 
     # -- entry point ---------------------------------------------------------------------------
     def execute(self) -> RunResult:
@@ -180,7 +257,9 @@ class Run:
         try:
             self._dispatch()
         except ServerDied as e:
+            self.server_died = str(e)
             self.result.invalidate(str(e))
+            self._mark_not_run(str(e))
         except KeyboardInterrupt:
             if self.result is not None:
                 self.result.invalidate("interrupted (Ctrl-C): the figures cover only what ran")
@@ -194,6 +273,9 @@ class Run:
     def _finish(self) -> None:
         r = self.result
         r.finished_utc = datetime.now(UTC).isoformat(timespec="seconds")
+        done = sum(s["n"] for s in self._resets.values() if s["ok"])
+        if done:
+            r.notes.append(f"prefix cache reset before each pass ({done} resets, POST /reset_prefix_cache)")
         if not r.cells:
             r.invalidate("no cell ran")
         r.files = {"result": "result.json", "requests": "requests.jsonl"}
@@ -210,7 +292,7 @@ class Run:
             return self._shared_prefix(p)
         with self.acquire(dict(p.requires)) as t:
             check_requires(p.requires, t.plan, f"protocol {self.name!r}")
-            self.result = self._start(t)
+            self.result = self._begin(t)
             self.result.notes.append(reset_prefix_cache(t))
             self._save()
             if isinstance(p, CohortProtocol):
@@ -246,12 +328,12 @@ class Run:
         if data is not None:
             failed, done = int(data.get("failed") or 0), int(data.get("completed") or 0)
             if failed or done != c.num_prompts:
-                errs = [e for e in data.get("errors") or [] if e][:2]
-                problems.append(f"{failed} of {c.num_prompts} requests failed ({done} completed): {errs}")
+                problems.append(failures.line(failed, c.num_prompts, list(data.get("errors") or []), done))
         return args, data, problems, sampler
 
     def _random_pass(self, w: Worker, t: Target, c: RandomCell, cell: CellResult, warmup: bool,
                      steady: bool) -> None:
+        self.reset_between_passes(t)
         args, data, problems, sampler = self._bench_call(w, t, c, cell.params["tag"], steady)
         p = PassResult(seed=args.seed, warmup=warmup, ok=not problems, problems=problems, command=args.command(),
                        raw=f"vllm-bench/{args.result_filename}")
@@ -296,6 +378,7 @@ class Run:
         cells = [c.scaled(self.scale, slots) for c in p.cells]
         steady = isinstance(p, ThroughputProtocol) and p.steady_state
         total = (len(cells) * self.repeat + 1)
+        self._plan_cells([cell_label(p.kind, p.cells[i], c) for i, c in enumerate(cells)])
         with Worker(self._worker_env(t)) as w:
             self._bar.start(f"{self.name}", total)
             for i, c in enumerate(cells):
@@ -327,6 +410,8 @@ class Run:
     def _raw(self, p: RawProtocol, t: Target) -> None:
         slots = int(t.plan.knobs.get("MAX_SEQS", 1 << 30))
         inp, outp = self.scale.tokens(p.input_len), self.scale.tokens(p.output_len)
+        self._plan_cells([f"C{c}" if min(c, slots) == c else f"C{c} (capped at {min(c, slots)})"
+                          for c in p.concurrencies])
         with Worker(self._worker_env(t)) as w:
             self._bar.start(self.name, len(p.concurrencies) * self.repeat + 1)
             for i, conc in enumerate(p.concurrencies):
@@ -345,6 +430,7 @@ class Run:
 
     def _raw_pass(self, w: Worker, t: Target, cell: CellResult, pp: RandomCell, tg: RandomCell, tol: float,
                   warmup: bool) -> None:
+        self.reset_between_passes(t)
         a1, d1, prob1, _ = self._bench_call(w, t, pp, f"raw-pp-c{pp.concurrency}", False)
         a2, d2, prob2, s2 = self._bench_call(w, t, tg, f"raw-tg-c{tg.concurrency}", False)
         problems = prob1 + prob2
@@ -375,13 +461,12 @@ class Run:
     # -- our client: cohorts, shared prefix -----------------------------------------------------
     def _client_pass(self, t: Target, bodies: list[dict[str, Any]], concurrency: int,
                      cell: CellResult, warmup: bool, seed: int, figures: Callable[[client.BatchResult], dict]) -> None:
+        self.reset_between_passes(t)
         sampler = metrics.Sampler(t.url, t.headers, 3600.0)
         with sampler:
             batch = asyncio.run(client.run_batch(t.url, "/v1/chat/completions", bodies, concurrency, t.headers,
                                                  on_token=self._bar.token))
-        kinds = sorted({r.error or "" for r in batch.failed})
-        problems = [f"{len(batch.failed)} of {len(bodies)} requests failed: {kinds[0][:300]}"
-                    + (f" (and {len(kinds) - 1} other errors, in requests.jsonl)" if len(kinds) > 1 else "")
+        problems = [failures.line(len(batch.failed), len(bodies), [r.error for r in batch.failed])
                     ] if batch.failed else []
         p = PassResult(seed=seed, warmup=warmup, ok=not problems, problems=problems,
                        figures=figures(batch) if not batch.failed else {})
@@ -392,6 +477,7 @@ class Run:
         prompts = protocols.load_prompts(p.prompts).prompts
         max_tokens = self.scale.tokens(p.max_tokens)
         self._bar.start(self.name, len(p.cohorts) * self.repeat + 1, tokens=True)
+        self._plan_cells([f"C{c}" for c in p.cohorts])
         for i, c in enumerate(p.cohorts):
             cell = CellResult(label=f"C{c}", params={"cohort": c, "max_tokens": max_tokens,
                                                      "ignore_eos": p.ignore_eos, "prompts": p.prompts})
@@ -426,11 +512,12 @@ class Run:
         n_req = self.scale.count(p.num_requests)
         sys_tokens, max_tokens = self.scale.tokens(p.system_prompt_tokens), self.scale.tokens(p.max_tokens)
         walls: dict[str, float | None] = {}
+        self._plan_cells(list(p.variants))
         for variant, knobs in p.variants.items():
             with self.acquire({**p.requires, **knobs}) as t:
                 check_requires({**p.requires, **knobs}, t.plan, f"protocol {self.name!r}, variant {variant!r}")
                 if self.result is None:
-                    self.result = self._start(t)
+                    self.result = self._begin(t)
                 self.result.variant_plans[variant] = t.plan.model_dump()
                 self.result.notes.append(f"{variant}: {reset_prefix_cache(t)}")
                 conc = min(p.concurrency, int(t.plan.knobs.get("MAX_SEQS", p.concurrency)))

@@ -21,6 +21,10 @@ RUN_HELP = {
     "scale": "multiply every token length and request count by this (0.125 or 1/8); default 1 on gpu, 1/8 on cpu",
     "seed": "first seed (each call gets the next one); default: from the clock",
     "progress": "show rich progress bars (--no-progress for logs)",
+    "running": "measure the server `inv serve` started and recorded (.rig/servers/) instead of starting one",
+    "url": "measure a server rig did not start, at this base URL (http://host:port); protocols with requires "
+           "(raw) and shared-prefix are refused there",
+    "key_file": "with --url: file holding that server's API key (default: the profile's API_KEY_FILE)",
 }
 
 
@@ -81,12 +85,30 @@ def _preflight(protos, pool, sets) -> None:
         raise _fail("\n".join(dict.fromkeys(problems)))
 
 
+def _attached(protos, base, sets, running: bool, url: str, key_file: str):
+    """The Target of --running / --url, refused (exit 2) before a request is sent when a protocol cannot run on it."""
+    from rig.bench import attach
+    from rig.cli.common import read_key
+    from rig.running import RunningError
+
+    if running and url:
+        raise _fail("--running and --url: give one (--running: the server `inv serve` recorded; --url: another)")
+    try:
+        t = attach.recorded_target() if running else attach.foreign_target(url, read_key(key_file, base), base)
+    except RunningError as e:
+        raise _fail(str(e)) from None
+    why = attach.refusals(protos, t, sets)
+    if why:
+        raise _fail("refusing to bench it (nothing was sent):\n" + "\n".join(f"  - {w}" for w in why))
+    return t
+
+
 @task(default=True, iterable=["protocol", "overlay", "set"], help=RUN_HELP)
 def run(c, protocol=None, profile="batch", overlay=None, set=None, platform="", repeat=1, scale="", seed=-1,
-        progress=True):
-    """Run bench protocols on fresh servers of a profile; results under .rig/results/ (exit 1 if invalid)."""
+        progress=True, running=False, url="", key_file=""):
+    """Run bench protocols on fresh servers of a profile (or --running / --url); results under .rig/results/."""
     from rig.bench.protocols import CPU_SCALE, BenchError, Scale
-    from rig.bench.runner import Run
+    from rig.bench.runner import Run, fixed
     from rig.bench.servers import ServerPool
     from rig.plan import PlanError
     from rig.serve import PreflightError
@@ -102,13 +124,20 @@ def run(c, protocol=None, profile="batch", overlay=None, set=None, platform="", 
         base = pool.plan_for({})
     except PlanError as e:
         raise _fail("\n".join(e.messages)) from None
-    _preflight(protos, pool, sets)
+    attached = _attached(protos, base, sets, running, url, key_file) if running or url else None
+    if attached is None:
+        _preflight(protos, pool, sets)
+    else:
+        base = attached.plan
+        profile = base.profile
+        print(f"rig: measuring {attached.server['started_by']} at {attached.url}", flush=True)
     factor = factor or (CPU_SCALE if base.platform == "cpu" else 1.0)
+    acquire = pool.acquire if attached is None else fixed(attached)
     invalid = []
     with pool:
         for i, (name, p) in enumerate(protos):
             print(f"rig: bench {name} on profile {profile} ({base.platform}, scale {factor:g})", flush=True)
-            r = Run(name, p, pool.acquire, profile, Scale(factor=factor), int(repeat),
+            r = Run(name, p, acquire, profile, Scale(factor=factor), int(repeat),
                     None if int(seed) < 0 else int(seed) + 1_000_000 * i, progress=progress)
             try:
                 res = r.execute()
@@ -120,6 +149,12 @@ def run(c, protocol=None, profile="batch", overlay=None, set=None, platform="", 
                 invalid.append(name)
                 for why in res.problems:
                     print(f"rig: {name}: {why}", file=sys.stderr)
+            if r.server_died:
+                rest = [n for n, _ in protos[i + 1:]]
+                if rest:
+                    print(f"rig: not run (the server died or restarted): {', '.join(rest)}", file=sys.stderr)
+                invalid += rest
+                break
     if invalid:
         raise Exit(f"rig: error: invalid run(s): {', '.join(invalid)} (everything measured is in the run folders)",
                    code=1)

@@ -24,13 +24,30 @@ def test(c, args="", fast=False, gpu=False):
 
 @task(iterable=["overlay", "set"], help={"profile": "profile whose server is checked live",
                                          "overlay": "overlay (repeatable)", "set": "KNOB=value (repeatable)",
-                                         "no_live": "skip starting a server"})
-def verify(c, profile="batch", overlay=None, set=None, no_live=False):
-    """Check install, pins, patches, model and a live server; exit 1 on the first failure."""
-    from rig import verify as v
-    from rig.cli.common import plan_from_args
+                                         "no_live": "skip starting a server",
+                                         "running": "check the server `inv serve` recorded instead of starting one",
+                                         "url": "check a server rig did not start, at this base URL",
+                                         "key_file": "with --url: its API key file (default: the plan's)"})
+def verify(c, profile="batch", overlay=None, set=None, no_live=False, running=False, url="", key_file=""):
+    """Check install, pins, patches, model and a live server (or --running / --url); exit 1 on the first failure."""
+    from functools import partial
 
-    if not v.run(plan_from_args(profile, overlay, set, ""), live=not no_live):
+    from rig import verify as v
+    from rig.cli.common import plan_from_args, read_key
+
+    plan = plan_from_args(profile, overlay, set, "")
+    server = None
+    if running:
+        from rig.running import RunningError, find
+
+        try:  # bad input (nothing recorded) is exit 2 before any check runs
+            find()
+        except RunningError as e:
+            raise Exit(f"rig: error: {e}", code=2) from None
+        server = v.check_recorded
+    elif url:
+        server = partial(v.check_foreign, url, read_key(key_file, plan))
+    if not v.run(plan, live=not no_live, server=server):
         raise Exit(code=1)
 
 

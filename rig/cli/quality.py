@@ -13,6 +13,8 @@ HELP = {
     "platform": "cpu or gpu; default: gpu when NVML finds a CUDA device, else cpu",
     "url": "measure an already running server at this URL instead of starting one; it is refused unless its "
            "/metrics show the quality settings (prefix caching off, GPU_UTIL within the overlay's)",
+    "running": "measure the server `inv serve` started and recorded (.rig/servers/): its own plan is judged, "
+               "refused unless it has the quality settings",
     "key_file": "with --url: file holding that server's API key (default: the plan's API_KEY_FILE)",
     "suite": "battery in quality/battery.toml: online, offline, tiny; auto = online on GPU, tiny on CPU",
     "reference": "reference result JSON to gate against (default: quality/references/ or .rig/quality-references/ "
@@ -29,32 +31,43 @@ def quality_plan(profile: str, overlay: list[str] | None, set: list[str] | None,
     return plan_from_args(profile, [o for o in overlay or [] if o != "quality"] + ["quality"], set, platform)
 
 
-def _key(plan, key_file: str) -> str | None:
-    from rig import paths
+def _recorded():
+    """The server `serve` recorded, and its plan; exit 2 when there is none."""
+    from rig.running import RunningError, find
 
-    path = Path(key_file or plan.api_key_file)
-    path = path if path.is_absolute() else paths.ROOT / path
-    if not path.exists():
-        raise Exit(f"rig: error: --key-file {path}: no such file; pass the running server's key file", code=2)
-    return path.read_text().strip() or None
+    try:
+        rec = find()
+        return rec, rec.plan_obj(), rec.key()
+    except RunningError as e:
+        raise Exit(f"rig: error: {e}", code=2) from None
 
 
 @task(iterable=["overlay", "set"], help=HELP)
 def quality(c, profile="batch", overlay=None, set=None, platform="", url="", key_file="", suite="auto",
-            reference="", save_reference=False, docs=True):
+            reference="", save_reference=False, docs=True, running=False):
     """Quality battery: perplexity, lm-eval, garbage, tool calls, greedy digest; gates; table, JSON, docs."""
+    from rig.cli.common import read_key
     from rig.plan import PlanError
     from rig.quality import battery, report
     from rig.quality.client import ServerRefused
+    from rig.running import RunningError
     from rig.serve import PreflightError
     from rig.server import ServerError
 
-    plan = quality_plan(profile, overlay, set, platform)
-    key = _key(plan, key_file) if url else None
+    if running and (url or set or overlay):
+        raise Exit("rig: error: --running measures the recorded server with its own plan: drop --url, --set and "
+                   "--overlay (or restart it with `inv serve` and the knobs you want)", code=2)
+    record = None
+    if running:
+        record, plan, key = _recorded()
+        url = record.url
+    else:
+        plan = quality_plan(profile, overlay, set, platform)
+        key = read_key(key_file, plan) if url else None
     try:
         result = battery.run(plan, suite, url=url or None, key=key, reference=Path(reference) if reference else None,
-                             save_reference=save_reference)
-    except (battery.QualityError, PreflightError, PlanError) as e:
+                             save_reference=save_reference, record=record)
+    except (battery.QualityError, PreflightError, PlanError, RunningError) as e:
         raise Exit(f"rig: error: {e}", code=2) from None
     except (ServerError, ServerRefused) as e:
         raise Exit(f"rig: error: the server failed during the battery: {e}", code=1) from None

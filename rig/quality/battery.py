@@ -92,8 +92,13 @@ def measure(client: Client, res: suite.Resolved, model_dir: str | None, out: Pat
 
 def run(plan: Plan, battery: str = "auto", url: str | None = None, key: str | None = None,
         reference: Path | None = None, save_reference: bool = False, results_root: Path | None = None,
-        log: Callable = print) -> dict:
-    """Run the battery; returns the result (with ``gates`` and ``passed``), saved under results_dir()."""
+        log: Callable = print, record=None) -> dict:
+    """Run the battery; returns the result (with ``gates`` and ``passed``), saved under results_dir().
+
+    ``record`` (rig.running.Record): the server `serve` recorded — ``plan`` is its plan, and a
+    restart or death during the battery (pid, start time, /health) fails the run. With a bare ``url``
+    the server is someone else's: the result carries what it says about itself, not a plan digest.
+    """
     from rig import fingerprint
 
     name = battery_name(battery, plan)
@@ -119,12 +124,17 @@ def run(plan: Plan, battery: str = "auto", url: str | None = None, key: str | No
             url, key = server.url, server.api_key
         client = Client(url, key, plan.served_name)
         cache_cfg = check_server(client, needs)
+        server_info = _server_info(server, record, url, key, plan)
         served = client.models()
         if not any(m["id"] == plan.served_name for m in served):
             raise QualityError(f"the server at {url} serves {[m['id'] for m in served]}, not {plan.served_name!r}; "
                                f"pass --set SERVED_NAME=... to match it")
         model_name, model_dir = _model_name(plan, served[0].get("root"))
         found = measure(client, res, model_dir, out, log)
+        if record is not None and (gone := record.check()):
+            from rig.server import ServerError
+
+            raise ServerError(f"{gone} during the battery: its figures are not one server's (nothing was judged)")
     finally:
         if server is not None:
             server.stop()
@@ -133,8 +143,8 @@ def run(plan: Plan, battery: str = "auto", url: str | None = None, key: str | No
     result = {
         "schema_version": 1, "kind": "quality-result", "utc": utc, "battery": name, "profile": plan.profile,
         "platform": plan.platform, "model": {"name": model_name, "path": model_dir, "served_name": plan.served_name},
-        "server": {"url": url, "started_by": "rig" if server is not None else "external", "cache_config": cache_cfg},
-        "plan_digest": plan.digest, **found,
+        "server": {**server_info, "cache_config": cache_cfg},
+        "plan_digest": None if server_info["started_by"] == "external" else plan.digest, **found,
         "reference": {"path": str(ref_path), "utc": ref.get("utc") if ref else None,
                       "digest_matches": (ref or {}).get("digest", {}).get("digest") == found["digest"]["digest"]
                       if ref else None},
@@ -159,6 +169,18 @@ def run(plan: Plan, battery: str = "auto", url: str | None = None, key: str | No
         result["reference"]["saved"] = save_as_reference(result, dest, log)
     result["path"] = str(report.save(result, out.parent))
     return result
+
+
+def _server_info(server, record, url: str, key: str | None, plan: Plan) -> dict:
+    """Which server the battery measures: one it started, the recorded one, or someone else's (as it says)."""
+    if server is not None:
+        return {"url": url, "started_by": "rig", "plan_digest": plan.digest}
+    if record is not None:
+        return {"url": url, "started_by": "rig serve (recorded)", "plan_digest": record.plan_digest,
+                "pid": record.pid, "start_time": record.start_time, "recorded_utc": record.recorded_utc}
+    from rig.running import describe_foreign
+
+    return describe_foreign(url, key)
 
 
 def save_as_reference(result: dict, dest: Path, log: Callable = print) -> bool:
