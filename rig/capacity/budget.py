@@ -99,7 +99,9 @@ def plan_budget(knobs: dict[str, Any], platform: str, s: Shape, card: cards.Card
         return b
     if not b.kv_bytes or b.kv_bytes <= 0:
         return b
-    p = pages.pool(s, kv_dtype, knobs["MAMBA_SSM_DTYPE"], b.kv_bytes, knobs["MAX_LEN"], knobs["BLOCK_SIZE"],
+    # BLOCK_SIZE=0 is vLLM's choice: 128 on its CPU platform (vllm/platforms/cpu.py), the backend's 16 on CUDA.
+    requested_block = knobs["BLOCK_SIZE"] or (128 if platform == "cpu" else 0)
+    p = pages.pool(s, kv_dtype, knobs["MAMBA_SSM_DTYPE"], b.kv_bytes, knobs["MAX_LEN"], requested_block,
                    bool(knobs["PREFIX_CACHE"]), num_spec(knobs), knobs["TP"])
     b.pool = p
     verdict(b, p, knobs, float(ov["warn_margin"]), float(ov["kv_mem_margin"]))
