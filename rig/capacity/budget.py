@@ -93,6 +93,9 @@ def plan_budget(knobs: dict[str, Any], platform: str, s: Shape, card: cards.Card
                             f"for {_gib(requested)} (vLLM refuses to start): stop what else uses it (nvidia-smi) "
                             f"or set GPU_UTIL={card.free_bytes / card.memory_bytes * 0.99:.3f}")
             return b
+    if knobs["SPEC"] == "dflash2" and not drafter_bytes(knobs, root):
+        b.warnings.append(f"DRAFT_MODEL={knobs['DRAFT_MODEL']!r} is not there: the drafter's weights are not "
+                          "counted (the pool is smaller by their size)")
     if kv_dtype == "kvarn":
         b.warnings.append(f"KV='kvarn' is a planned format ({cards.data()['planned_kv']['kvarn']['status']}): "
                           "the pool is not predicted")

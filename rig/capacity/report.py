@@ -114,7 +114,8 @@ def render(r: Report, width: int = 110) -> str:
     t.add_row("GDN state / seat", f"{r.state_per_seat:,} B",
               f"{k['MAMBA_SSM_DTYPE']} recurrent {r.state['recurrent']:,} + conv {r.state['conv']:,} B a layer; "
               f"+ {r.state_per_draft_token:,} B a draft token")
-    t.add_row("KV / token / layer", f"{r.kv_token_bytes.get(k['KV'], b.pool.attn_token_bytes if b.pool else 0):,} B",
+    kv_now = b.pool.attn_token_bytes if b.pool else r.kv_token_bytes.get(f"{k['KV']} (planned)", 0)
+    t.add_row("KV / token / layer", f"{kv_now:,} B",
               ", ".join(f"{d} {v:,}" for d, v in r.kv_token_bytes.items()))
     if b.total_bytes:
         t.add_row("memory", _g(b.requested_bytes), f"GPU_UTIL {k['GPU_UTIL']} x {_g(b.total_bytes)}; runtime "
