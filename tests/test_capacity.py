@@ -122,3 +122,21 @@ def test_serve_refuses_a_pool_too_small_for_max_len_before_starting_anything():
     assert "rig: error: the capacity plan cannot start" in r.stderr
     assert "MAX_LEN=32768: the pool (256 blocks of 64 tokens" in r.stderr and "set MAX_LEN=16128" in r.stderr
     assert not port_in_use(port)
+
+
+def test_tiny_pool_on_cuda_is_what_the_h200_server_reported():
+    """The H200 run of docs/gpu.md (tiny hybrid, fp8 KV, fp16 state, prefix cache, KV_MEM 4 GiB) logged a
+    pool of 2,077,843 tokens: the planner, on CPU, predicts exactly that for the same argv."""
+    record = json.loads((paths.DOCS / "gpu-runs" / "2026-12-03-h200" / "gpu-tier.json").read_text())
+    plan = resolve("batch", platform="gpu", environ={}, sets={
+        "MODEL": "tiny:hybrid", "MAX_LEN": "32768", "KV_MEM": "4G", "GPU_ARCH": "sm90", "PREFIX_CACHE": "1"})
+    flags = ("--max-model-len", "--max-num-seqs", "--mamba-ssm-cache-dtype", "--kv-cache-memory-bytes",
+             "--kv-cache-dtype", "--enable-prefix-caching", "--mamba-cache-mode", "--block-size")
+
+    def chosen(argv: list[str]) -> dict[str, str]:
+        return {a: (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "")
+                for i, a in enumerate(argv) if a in flags}
+
+    assert chosen(record["argv"]) == chosen(plan.argv)
+    pool = report.for_plan(plan, cards.card("h200")).budget.pool
+    assert pool.reported_tokens == record["kv_pool_tokens"] == 2_077_843
