@@ -80,6 +80,12 @@ def test_a_plan_that_cannot_start_is_refused_with_the_value_that_fits():
     assert not budget(MAX_LEN=str(long.max_len_fit)).errors
     small = budget(GPU_UTIL="0.6")
     assert small.errors and small.errors[0].startswith("the weights alone") and small.pool is None
+    def cpu(kv_mem: str):
+        return report.for_plan(resolve("batch", platform="cpu", environ={}, sets={"KV_MEM": kv_mem}), None).budget
+
+    tight = cpu("64M")
+    assert tight.errors and "or KV_MEM=135266304 (the 516 blocks it needs)" in tight.errors[0]
+    assert not cpu("135266304").errors and cpu("135266303").errors
     near = budget(PREFIX_CACHE="1")
     assert not near.errors and [w for w in near.warnings if f"MAX_SEQS={near.short_seats} fits" in w]
 

@@ -111,6 +111,14 @@ def plan_budget(knobs: dict[str, Any], platform: str, s: Shape, card: cards.Card
     return b
 
 
+def more_kv(b: Budget, p: pages.Pool, knobs: dict[str, Any]) -> str:
+    """How to give one MAX_LEN request its room: the KV_MEM that holds it, or what frees memory on a GPU."""
+    blocks = 1 + p.state_blocks(knobs["MAX_LEN"]) + -(-knobs["MAX_LEN"] // p.block_size)
+    if knobs["KV_MEM"]:
+        return f"KV_MEM={blocks * p.block_bytes} (the {blocks} blocks it needs)"
+    return f"free {_gib(blocks * p.block_bytes - b.kv_bytes)} more for the KV cache (GPU_UTIL, a bigger card)"
+
+
 def verdict(b: Budget, p: pages.Pool, knobs: dict[str, Any], warn_margin: float, kv_margin: float) -> None:
     """Refusals (cannot start or cannot hold its own seats) and near-cliff warnings, each with the fix."""
     usable = p.blocks - 1  # block 0 is vLLM's null block
@@ -123,7 +131,7 @@ def verdict(b: Budget, p: pages.Pool, knobs: dict[str, Any], warn_margin: float,
     if b.max_len_fit < max_len:
         b.errors.append(f"MAX_LEN={max_len}: the pool ({p.blocks} blocks of {p.block_size} tokens, "
                         f"{_gib(b.kv_bytes)}) holds at most {b.max_len_fit} tokens for one request beside its state; "
-                        f"set MAX_LEN={b.max_len_fit} or less, or free memory for the KV cache")
+                        f"set MAX_LEN={b.max_len_fit} or less, or " + more_kv(b, p, knobs))
     state = p.state_blocks(1)  # what every running request holds before any attention block
     if seats * state > usable:
         b.errors.append(f"MAX_SEQS={seats}: the recurrent state of {seats} seats takes {seats * state} blocks, "
