@@ -2,7 +2,7 @@
 
 from invoke import Collection
 
-from rig.cli import bench, dev, env, model, patch, quality, repro, serve
+from rig.cli import bench, dev, env, model, patch, plan, quality, repro, serve
 
 ns = Collection()
 ns.add_collection(env.ns)
@@ -11,6 +11,7 @@ ns.add_collection(bench.ns)
 ns.add_collection(model.ns)
 ns.add_task(serve.serve)
 ns.add_task(serve.service)
+ns.add_task(plan.plan)
 ns.add_task(quality.quality)
 ns.add_task(repro.repro)
 ns.add_task(dev.test)

@@ -1,7 +1,7 @@
 """`serve`: preflight every precondition, start the plan's server, prove it answers, keep it up.
 
 Everything that can be checked before a process starts is checked first (plan, vLLM's parser,
-device, model, patches, port, API key), so bad input costs seconds and leaves nothing behind.
+device, capacity, model, patches, port, API key), so bad input costs seconds and leaves nothing behind.
 After /health turns green a 1-token completion and a burst of MAX_SEQS tiny requests run:
 out-of-memory failures of a GPU server show up there, not with the first real user.
 """
@@ -38,6 +38,7 @@ class Device:
     arch: str
     free_gib: float | None = None
     total_bytes: int | None = None
+    free_bytes: int | None = None
 
 
 def probe_device(plan: Plan) -> Device:
@@ -60,7 +61,7 @@ def probe_device(plan: Plan) -> Device:
     except Exception as e:
         raise PreflightError(f"no CUDA GPU answers NVML ({e}); on a CPU host use the cpu overlay "
                              "(the default there)") from None
-    dev = Device("gpu", str(name), f"sm{major}{minor}", mem.free / 2**30, int(mem.total))
+    dev = Device("gpu", str(name), f"sm{major}{minor}", mem.free / 2**30, int(mem.total), int(mem.free))
     if dev.arch != plan.knobs["GPU_ARCH"]:
         print(f"rig: warning: the plan targets {plan.knobs['GPU_ARCH']}, this GPU is {dev.arch} ({dev.name}); "
               f"set GPU_ARCH={dev.arch} to validate for it", file=sys.stderr)
@@ -159,6 +160,20 @@ def check_kernels(plan: Plan) -> None:
                              f"build of them yet); choose KV=fp8 / PREFILL_ATTN=auto")
 
 
+def check_capacity(plan: Plan, dev: Device) -> None:
+    """The capacity planner's verdict: refuse a plan that cannot start or cannot hold its own seats,
+    with the numbers; warn near a cliff, naming the knob and the value that fits. On the cpu
+    platform it reads nothing of the host (the pool is KV_MEM bytes), so CI hosts agree."""
+    from rig.capacity import cards, report
+
+    card = cards.from_device(dev.name, dev.total_bytes, dev.free_bytes) if dev.total_bytes else None
+    b = report.for_plan(plan, card).budget
+    for w in b.warnings:
+        print(f"rig: warning: {w}", file=sys.stderr, flush=True)
+    if b.errors:
+        raise PreflightError("the capacity plan cannot start (inv plan shows it whole):\n  " + "\n  ".join(b.errors))
+
+
 def check_host_memory(plan: Plan, model: Path) -> None:
     """On CPU the KV cache is host RAM: refuse a server that would not fit what the host has free."""
     if plan.platform != "cpu":
@@ -182,6 +197,7 @@ def preflight(plan: Plan) -> tuple[Device, Path, Path, str]:
     check_with_vllm(plan.argv)
     check_kernels(plan)
     dev = probe_device(plan)
+    check_capacity(plan, dev)
     check_patches(plan)
     port = plan.knobs["PORT"]
     if port_in_use(port, connect_host(plan)):

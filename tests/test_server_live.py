@@ -109,3 +109,22 @@ def test_a_live_cpu_server_stays_within_what_preflight_reserves_for_it(batch_ser
     pss = sum(p.memory_full_info().pss for p in [root, *root.children(recursive=True)])
     need = host.need(knobs, batch_server.log_path.parent / "no-model")  # the model's 17 MiB aside
     assert pss <= need.total, f"server PSS {pss / 2**30:.2f} GiB > preflight's {need.describe()}"
+
+
+def test_capacity_plan_matches_what_the_live_cpu_server_built(batch_server):
+    """The planner's block size, page padding and pool (vLLM's pages and pool code, no server) equal what
+    the running server logged for the same plan: the restated hybrid block-size rule included."""
+    import re
+
+    from rig.capacity import report
+    from rig.plan import resolve
+
+    pool = report.for_plan(resolve("batch", (), "cpu", environ={}), None).budget.pool
+    log = batch_server.log_path.read_text(errors="replace")
+    tokens = re.search(r"KV cache size: ([\d,]+) tokens", log)
+    block = re.search(r"Setting attention block size to (\d+) tokens", log)
+    padding = re.search(r"Padding mamba page size by ([\d.]+)%", log)
+    assert tokens and block and padding, "the server did not log its pool, block size and page padding"
+    assert int(tokens.group(1).replace(",", "")) == pool.reported_tokens
+    assert int(block.group(1)) == pool.block_size
+    assert float(padding.group(1)) == round(100 * pool.padding, 2)

@@ -1,4 +1,4 @@
-"""`inv serve` and `inv plan`: resolve a profile into a plan, show it, or serve it."""
+"""`inv serve` and `inv service`: resolve a profile into a plan, show it, serve it or write its unit."""
 
 from __future__ import annotations
 

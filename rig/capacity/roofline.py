@@ -1,0 +1,71 @@
+"""Upper bounds on speed from bytes and FLOPs: what the card cannot beat, not what it will reach.
+
+Decode is memory-bound: each step reads every weight once, reads and writes each seat's GDN
+state, and reads each seat's KV; tokens/s <= seats x bandwidth / bytes per step. Prefill is
+compute-bound: 2 FLOPs per weight per token, plus attention's QK^T and PV over the context;
+tokens/s <= tensor-core rate / FLOPs per token, with the int8 (W4A8 Marlin) layers at the int8 rate.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from rig.capacity import weights
+from rig.capacity.shape import Shape
+from rig.knobs import INT8_LAYER_ALIASES
+
+
+@dataclass(frozen=True)
+class Roofline:
+    seats: int
+    context: int
+    step_bytes: int
+    decode_tok_s: float
+    decode_tok_s_one: float
+    prefill_flops_per_token: float
+    prefill_tok_s: float
+    prefill_tok_s_fp16: float
+
+
+def step_bytes(weight_bytes: int, state_per_seat: int, kv_token_bytes: int, seats: int, context: int) -> int:
+    """Bytes one decode step moves: weights once, each seat's state read + written, each seat's KV read."""
+    return weight_bytes + seats * (2 * state_per_seat + context * kv_token_bytes)
+
+
+def linear_flops(s: Shape, int8_regex: str | None) -> tuple[float, float]:
+    """(fp16, int8) FLOPs per token of the decoder's linears (lm_head once per sequence: left out)."""
+    fp16 = int8 = 0.0
+    for i, kind in enumerate(s.layer_types):
+        for name, (n_in, n_out) in weights.layer_linears(s, kind).items():
+            f = 2.0 * n_in * n_out
+            if int8_regex is not None and re.search(int8_regex, f"model.layers.{i}.{name}"):
+                int8 += f
+            else:
+                fp16 += f
+    return fp16, int8
+
+
+def attention_flops(s: Shape, context: int) -> float:
+    """QK^T and PV per token at the average position of a ``context``-token prompt, over the attention
+    layers, plus the GDN state update (a head_k x head_v outer product and read per value head)."""
+    attn = 4.0 * s.num_attention_heads * s.head_dim * (context / 2) * s.attention_layers
+    gdn = 4.0 * s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim * s.gdn_layers
+    return attn + gdn
+
+
+def bounds(s: Shape, weight_bytes: int, state_per_seat: int, kv_token_bytes: int, seats: int, context: int,
+           bandwidth_gbs: float, fp16_tflops: float, int8_tops: float | None, int8_act: str,
+           int8_layers: str) -> Roofline:
+    """Decode at ``seats`` requests of ``context`` tokens and at one; prefill of a ``context``-token prompt."""
+    bw = bandwidth_gbs * 1e9
+    sb = step_bytes(weight_bytes, state_per_seat, kv_token_bytes, seats, context)
+    one = step_bytes(weight_bytes, state_per_seat, kv_token_bytes, 1, context)
+    regex = INT8_LAYER_ALIASES.get(int8_layers, int8_layers) if int8_act == "int8" and int8_tops else None
+    f16, i8 = linear_flops(s, regex)
+    att = attention_flops(s, context)
+    t = (f16 + att) / (fp16_tflops * 1e12) + (i8 / (int8_tops * 1e12) if i8 else 0.0)
+    t16 = (f16 + i8 + att) / (fp16_tflops * 1e12)
+    return Roofline(seats=seats, context=context, step_bytes=sb, decode_tok_s=seats * bw / sb,
+                    decode_tok_s_one=bw / one, prefill_flops_per_token=f16 + i8 + att, prefill_tok_s=1 / t,
+                    prefill_tok_s_fp16=1 / t16)

@@ -1,0 +1,148 @@
+"""The capacity planner: real vLLM 0.28 page and pool code, the reference's published figures, refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rig import paths
+from rig.capacity import cards, pages, report, shape, weights
+from rig.plan import resolve
+from rig.server import free_port, port_in_use
+
+INV = str(Path(sys.executable).with_name("inv"))
+RTX3090 = cards.card("rtx3090")
+
+
+def budget(**sets: str):
+    return report.for_plan(resolve("batch", platform="gpu", environ={}, sets=sets), RTX3090).budget
+
+
+def test_weights_of_the_published_shape_are_27b_parameters_and_w4a16_bytes():
+    """The shape file's layers add up to the model card's 27B; int4 + fp16 group scales + bf16 rest."""
+    s = shape.real_shape()
+    assert (s.gdn_layers, s.attention_layers) == (48, 16)
+    params = sum(i * o for kind in s.layer_types for i, o in weights.layer_linears(s, kind).values())
+    params += 2 * s.vocab_size * s.hidden_size
+    assert 26.5e9 < params < 27.5e9
+    w = weights.count(s)
+    assert w.embeddings == w.lm_head == 248320 * 5120 * 2
+    assert w.scales * 128 // 2 == w.quantized * 2  # one fp16 scale per 128 int4 weights
+    assert w.loaded(with_mtp=True) - w.loaded(with_mtp=False) == w.mtp > 0
+
+
+def test_state_kv_and_page_sizes_are_vllms_and_agree_with_first_principles():
+    s = shape.real_shape()
+    st = pages.state_bytes(s, "float16")
+    assert st == {"recurrent": 48 * 128 * 128 * 2, "conv": (2 * 16 * 128 + 48 * 128) * 3 * 2}
+    assert pages.state_bytes(s, "float32")["recurrent"] == 2 * st["recurrent"]
+    assert pages.state_bytes(s, "float16", num_spec=2)["conv"] == st["conv"] // 3 * 5  # a conv row a draft token
+    assert pages.mamba_page_bytes(s, "float16") == sum(st.values())
+    table = report.kv_table(s, 1)
+    assert table["fp8"] == 2 * 4 * 256 and table["bfloat16"] == 2 * 4 * 256 * 2
+    assert table["int8_per_token_head"] == 2 * 4 * (256 + 4)  # an fp32 scale per token and head, K and V
+    assert table["int4_per_token_head"] == 2 * 4 * (128 + 4)
+    assert table["turboquant_4bit_nc"] < table["turboquant_k8v4"] < table["fp8"]
+    p = pages.pool(s, "fp8", "float16", 8 * 2**30, 150000)
+    assert p.block_size == 800 and p.page_bytes == 800 * 2048 >= p.mamba_page_bytes  # raised to the mamba page
+    assert (p.groups, p.layers_per_group) == (4, 16)  # 3 GDN groups + 1 attention group of 16 layers
+
+
+def test_tiny_pool_is_what_a_live_cpu_server_reported():
+    """KV_MEM=1G on the tiny hybrid: 260,616 tokens, the pool `bench/scripts/server_memory.py --kv-mem 1G`
+    read from a running server's log (docs/profiles.md, 2026-12-03)."""
+    plan = resolve("batch", platform="cpu", environ={}, sets={"KV_MEM": "1G"})
+    assert report.for_plan(plan, None).budget.pool.reported_tokens == 260_616
+
+
+@pytest.mark.parametrize(("sets", "what", "published"), [
+    ({}, "pool", 223_821), ({"PREFIX_CACHE": "1"}, "pool", 193_298),
+    ({"MAMBA_SSM_DTYPE": "float32"}, "seats", 37), ({}, "seats", 70),
+])
+def test_reference_figures_within_3_percent(sets, what, published):
+    """The reference stack's RTX 3090 figures (the two pools are what hardware/gpus.toml's overheads were
+    calibrated on; the seat counts follow from them and vLLM's pages)."""
+    b = budget(**sets)
+    got = b.pool.reported_tokens if what == "pool" else b.short_seats
+    assert abs(got - published) / published <= 0.03, (got, published)
+
+
+def test_a_plan_that_cannot_start_is_refused_with_the_value_that_fits():
+    fp32 = budget(MAMBA_SSM_DTYPE="float32")
+    assert len(fp32.errors) == 1 and "MAX_SEQS=64" in fp32.errors[0] and "MAMBA_SSM_DTYPE=float16" in fp32.errors[0]
+    assert not budget(MAMBA_SSM_DTYPE="float32", MAX_SEQS=str(fp32.short_seats)).errors
+    long = budget(MAX_LEN="262144")
+    assert [e for e in long.errors if e.startswith("MAX_LEN=262144")]
+    assert not budget(MAX_LEN=str(long.max_len_fit)).errors
+    small = budget(GPU_UTIL="0.6")
+    assert small.errors and small.errors[0].startswith("the weights alone") and small.pool is None
+    def cpu(kv_mem: str):
+        return report.for_plan(resolve("batch", platform="cpu", environ={}, sets={"KV_MEM": kv_mem}), None).budget
+
+    tight = cpu("64M")
+    assert tight.errors and "or KV_MEM=135266304 (the 516 blocks it needs)" in tight.errors[0]
+    assert not cpu("135266304").errors and cpu("135266303").errors
+    near = budget(PREFIX_CACHE="1")
+    assert not near.errors and [w for w in near.warnings if f"MAX_SEQS={near.short_seats} fits" in w]
+
+
+def test_kv_mem_suggested_reproduces_the_pool():
+    b = budget()
+    again = budget(KV_MEM=str(b.kv_mem_exact))
+    assert again.pool.reported_tokens == b.pool.reported_tokens and again.pool.blocks == b.pool.blocks
+    assert budget(KV_MEM=str(b.kv_mem_margin)).pool.blocks < b.pool.blocks
+
+
+def test_cpu_plan_reads_nothing_of_the_host(monkeypatch):
+    """On CPU the pool is KV_MEM bytes: the report is the same whatever the host has (psutil unreadable)."""
+    import psutil
+
+    plan = resolve("batch", platform="cpu", environ={})
+    before = report.for_plan(plan, None).to_json()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: (_ for _ in ()).throw(AssertionError("read the host")))
+    assert report.for_plan(plan, None).to_json() == before
+
+
+def test_inv_plan_prints_json_and_exits_2_for_a_plan_that_cannot_start():
+    r = subprocess.run([INV, "plan", "--profile", "batch", "--gpu", "rtx3090", "--json"], cwd=paths.ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["budget"]["pool"]["reported_tokens"] == 223_821 and data["roofline"]["decode_tok_s"] > 0
+    r = subprocess.run([INV, "plan", "--gpu", "rtx3090", "--set", "MAMBA_SSM_DTYPE=float32"], cwd=paths.ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "refused: MAX_SEQS=64" in r.stdout
+    r = subprocess.run([INV, "plan", "--gpu", "rtx9090"], cwd=paths.ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "--gpu 'rtx9090': not in hardware/gpus.toml; known cards: a100-80" in r.stderr
+
+
+def test_serve_refuses_a_pool_too_small_for_max_len_before_starting_anything():
+    port = free_port()
+    r = subprocess.run([INV, "serve", "--platform", "cpu", "--set", f"PORT={port}", "--set", "KV_MEM=64M"],
+                       cwd=paths.ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "rig: error: the capacity plan cannot start" in r.stderr
+    assert "MAX_LEN=32768: the pool (256 blocks of 64 tokens" in r.stderr and "set MAX_LEN=16128" in r.stderr
+    assert not port_in_use(port)
+
+
+def test_tiny_pool_on_cuda_is_what_the_h200_server_reported():
+    """The H200 run of docs/gpu.md (tiny hybrid, fp8 KV, fp16 state, prefix cache, KV_MEM 4 GiB) logged a
+    pool of 2,077,843 tokens: the planner, on CPU, predicts exactly that for the same argv."""
+    record = json.loads((paths.DOCS / "gpu-runs" / "2026-12-03-h200" / "gpu-tier.json").read_text())
+    plan = resolve("batch", platform="gpu", environ={}, sets={
+        "MODEL": "tiny:hybrid", "MAX_LEN": "32768", "KV_MEM": "4G", "GPU_ARCH": "sm90", "PREFIX_CACHE": "1"})
+    flags = ("--max-model-len", "--max-num-seqs", "--mamba-ssm-cache-dtype", "--kv-cache-memory-bytes",
+             "--kv-cache-dtype", "--enable-prefix-caching", "--mamba-cache-mode", "--block-size")
+
+    def chosen(argv: list[str]) -> dict[str, str]:
+        return {a: (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "")
+                for i, a in enumerate(argv) if a in flags}
+
+    assert chosen(record["argv"]) == chosen(plan.argv)
+    pool = report.for_plan(plan, cards.card("h200")).budget.pool
+    assert pool.reported_tokens == record["kv_pool_tokens"] == 2_077_843
