@@ -166,6 +166,18 @@ def _moe_config():
                           in_dtype=torch.bfloat16)
 
 
+def _backend_oracle_as_on_a_gpu(monkeypatch) -> None:
+    """vLLM's WNA16 MoE oracle offers x86 CPUs no backend at all (CPUExpertsInt4 is Arm-only), so
+    AutoGPTQMoEMethod's constructor raises on any x86 host; on a CUDA GPU it picks Marlin. Answer
+    that one question as a GPU would: the method and kernel code under test are vLLM's own."""
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
+    from vllm.model_executor.layers.quantization import auto_gptq
+
+    monkeypatch.setattr(auto_gptq, "select_wna16_moe_backend",
+                        lambda *a, **k: (WNA16MoEBackend.MARLIN, MarlinExperts))
+
+
 def _marlin_kernel_of(method, moe_config) -> torch.dtype | None:
     """Build the method's kernel as on a CUDA GPU (the oracle picks Marlin there; on CPU it
     picks CPUExpertsInt4): vLLM's own _setup_kernel -> make_wna16_moe_kernel -> MarlinExperts."""
@@ -185,7 +197,7 @@ def _marlin_kernel_of(method, moe_config) -> torch.dtype | None:
 def _inc_moe_method(prefix: str, monkeypatch):
     """vLLM's INC scheme's MoE method for a W4A16 AutoRound (GPTQ-packed) experts layer. INC
     returns an unquantized method on CPU before anything else; its platform check is the one
-    thing answered as on a GPU here."""
+    thing answered as on a GPU here, with the backend oracle (_backend_oracle_as_on_a_gpu)."""
     import types
 
     from vllm.model_executor.layers.quantization.inc.inc import INCConfig
@@ -193,6 +205,7 @@ def _inc_moe_method(prefix: str, monkeypatch):
     from vllm.model_executor.layers.quantization.inc.schemes.factory import resolve_scheme
 
     monkeypatch.setattr(inc_wna16_scheme, "current_platform", types.SimpleNamespace(is_cpu=lambda: False))
+    _backend_oracle_as_on_a_gpu(monkeypatch)
     cfg = INCConfig.from_config({"quant_method": "auto-round", "bits": 4, "group_size": 128, "sym": True,
                                  "packing_format": "auto_round:auto_gptq"})
     layer = torch.nn.Module()
@@ -222,6 +235,7 @@ def test_gptq_moe_method_and_its_marlin_kernel_agree_per_layer(int8):
     from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig, AutoGPTQMoEMethod
 
     int8.setenv("VLLM_MARLIN_INT8_INCLUDE_RE", "layers\\.0\\.")
+    _backend_oracle_as_on_a_gpu(int8)
     for prefix, expected in [("model.layers.0.mlp.experts", torch.int8), ("model.layers.1.mlp.experts", None)]:
         moe_config = _moe_config()
         cfg = AutoGPTQConfig(weight_bits=4, group_size=128, desc_act=False, is_sym=True, lm_head_quantized=False,
