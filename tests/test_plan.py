@@ -133,7 +133,9 @@ def test_prefix_cache_zero_really_turns_it_off():
 def test_int8_act_exported_only_when_set():
     plan = resolve("batch", (), "gpu", environ={}, sets={"INT8_LAYERS": "gate_up"})
     assert plan.env == {"VLLM_AUTH_DENY_DEFAULT": "1", "VLLM_MARLIN_INPUT_DTYPE": "int8",
-                        "VLLM_MARLIN_INT8_INCLUDE_RE": r"\.mlp\.gate_up_proj", "VLLM_TOOL_CHOICE_SHARED_ENGINE": "1"}
+                        "VLLM_MARLIN_INT8_INCLUDE_RE": r"\.mlp\.gate_up_proj", "VLLM_TOOL_CHOICE_SHARED_ENGINE": "1",
+                        # Machete (Hopper's W4A16 kernel) cannot take int8 activations: Marlin everywhere
+                        "VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}
     assert "marlin-int8-layer-select" in plan.patches
     plain = resolve("batch", (), "gpu", environ={}, sets={"INT8_ACT": "", "TOOLS": "0"})
     assert plain.env == {"VLLM_AUTH_DENY_DEFAULT": "1"} and "marlin-int8-layer-select" not in plain.patches
