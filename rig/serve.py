@@ -164,10 +164,13 @@ def check_capacity(plan: Plan, dev: Device) -> None:
     """The capacity planner's verdict: refuse a plan that cannot start or cannot hold its own seats,
     with the numbers; warn near a cliff, naming the knob and the value that fits. On the cpu
     platform it reads nothing of the host (the pool is KV_MEM bytes), so CI hosts agree."""
-    from rig.capacity import cards, report
+    from rig.capacity import cards, report, shape
 
     card = cards.from_device(dev.name, dev.total_bytes, dev.free_bytes) if dev.total_bytes else None
-    b = report.for_plan(plan, card).budget
+    try:
+        b = report.for_plan(plan, card).budget
+    except shape.ShapeError as e:
+        raise PreflightError(str(e)) from None
     for w in b.warnings:
         print(f"rig: warning: {w}", file=sys.stderr, flush=True)
     if b.errors:

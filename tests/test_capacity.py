@@ -146,3 +146,38 @@ def test_tiny_pool_on_cuda_is_what_the_h200_server_reported():
     assert chosen(record["argv"]) == chosen(plan.argv)
     pool = report.for_plan(plan, cards.card("h200")).budget.pool
     assert pool.reported_tokens == record["kv_pool_tokens"] == 2_077_843
+
+
+def test_a_dense_model_plans_with_no_gdn_state(tmp_path):
+    """The quality battery's dense control (Qwen3ForCausalLM: no layer_types, no GDN dims) goes through
+    serve's preflight too: every layer is attention, no state, vLLM's plain block size."""
+    from rig.models.tiny import TinySpec, _dense_config
+
+    (tmp_path / "config.json").write_text(json.dumps(_dense_config(TinySpec(arch="dense"), {"<|endoftext|>": 0,
+                                                                                           "<|im_end|>": 1})))
+    plan = resolve("batch", platform="cpu", environ={}, sets={"MODEL": str(tmp_path)})
+    r = report.for_plan(plan, None)
+    s = shape.for_model(str(tmp_path), tmp_path)
+    assert s.gdn_layers == 0 and s.attention_layers == s.num_hidden_layers
+    assert r.state_per_seat == 0 and r.budget.pool.state_groups == 0 and r.budget.pool.padding == 0.0
+    assert not r.budget.errors and r.budget.pool.reported_tokens > plan.knobs["MAX_LEN"]
+
+
+def test_gpu_mem_plans_for_that_many_bytes_of_the_card():
+    """The gpu24 overlay on an H200: the planner sees a 24 GiB card, as serve's --gpu-memory-utilization does."""
+    h200 = cards.card("h200")
+    plan = resolve("batch", ("gpu24",), "gpu", environ={})
+    r = report.for_plan(plan, h200)
+    assert r.card.memory_bytes == 24 * 2**30 and "GPU_MEM" in r.card.name
+    full = report.for_plan(resolve("batch", platform="gpu", environ={}), h200)
+    assert full.budget.pool.reported_tokens > 4 * r.budget.pool.reported_tokens
+
+
+def test_a_config_the_planner_cannot_read_is_refused_naming_the_keys(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["X"], "model_type": "x", "hidden_size": 64}')
+    with pytest.raises(shape.ShapeError, match="needs num_hidden_layers, intermediate_size"):
+        shape.for_model(str(tmp_path), tmp_path)
+    r = subprocess.run([INV, "plan", "--platform", "cpu", "--set", f"MODEL={tmp_path}"], cwd=paths.ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "rig: error:" in r.stderr and "config.json: the capacity planner needs" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -7,6 +7,7 @@ decoding (MTP) on vLLM's CPU backend, and `inv serve` stopping its whole tree on
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -197,7 +198,12 @@ def test_inv_serve_tools_off_prefix_cache_on_then_sigterm_leaves_no_process(tmp_
 def test_a_crash_during_start_prints_the_log_tail_and_exits_nonzero(tmp_path):
     model = tmp_path / "broken-model"
     model.mkdir()
-    (model / "config.json").write_text('{"architectures": ["NoSuchArchitectureForCausalLM"], "model_type": "x"}')
+    # A config the planner reads (the tiny dense model's numbers) of a type vLLM cannot load: the start crashes.
+    from rig.models.tiny import TinySpec, _dense_config
+
+    config = _dense_config(TinySpec(arch="dense"), {"<|endoftext|>": 0, "<|im_end|>": 1})
+    config.update(architectures=["NoSuchArchitectureForCausalLM"], model_type="x")
+    (model / "config.json").write_text(json.dumps(config))
     cmd = [str(Path(sys.executable).with_name("inv")), "serve", "--profile", "batch", "--set", f"MODEL={model}",
            "--set", f"PORT={free_port()}", "--set", f"API_KEY_FILE={tmp_path / 'key'}"]
     r = subprocess.run(cmd, cwd=paths.ROOT, capture_output=True, text=True, timeout=600)

@@ -73,7 +73,10 @@ def attention_token_bytes(s: Shape, kv_dtype: str, tp: int = 1) -> int:
 
 
 def state_shapes(s: Shape, tp: int = 1, num_spec: int = 0) -> tuple[tuple[int, ...], ...]:
-    """(conv state, recurrent state) shapes of one GDN layer for one request (vLLM's calculator)."""
+    """(conv state, recurrent state) shapes of one GDN layer for one request (vLLM's calculator);
+    a dense model (no GDN layer, no GDN dims in its config) has none: empty states."""
+    if not s.gdn_layers:
+        return ((0,), (0,))
     return tuple(_vllm().shapes.gated_delta_net_state_shape(
         tp, s.linear_num_key_heads, s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim,
         s.linear_conv_kernel_dim, num_spec))
@@ -135,7 +138,7 @@ class Pool:
 
     @property
     def padding(self) -> float:
-        return self.page_bytes / self.mamba_page_bytes - 1
+        return self.page_bytes / self.mamba_page_bytes - 1 if self.mamba_page_bytes else 0.0
 
     def state_blocks(self, context: int) -> int:
         """State blocks one request holds: one per GDN group, a second in align mode (prefix cache)

@@ -6,6 +6,7 @@ The one entry point `inv plan` and `serve`'s preflight share (``for_plan``); ren
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from dataclasses import asdict, dataclass
@@ -70,6 +71,10 @@ def for_plan(plan: Plan, card: cards.Card | None, context: int | None = None) ->
     s = shape.for_model(k["MODEL"], model_folder(plan))
     if plan.platform == "cpu":
         card = None
+    elif card is not None and k.get("GPU_MEM"):  # plan for GPU_MEM bytes of it (the gpu24 overlay), as serve does
+        card = dataclasses.replace(card, name=f"{card.name} as {k['GPU_MEM'] / 2**30:g} GiB (GPU_MEM)",
+                                   memory_bytes=min(k["GPU_MEM"], card.memory_bytes),
+                                   free_bytes=None if card.free_bytes is None else min(card.free_bytes, k["GPU_MEM"]))
     spec = budget.num_spec(k)
     st = pages.state_bytes(s, k["MAMBA_SSM_DTYPE"], k["TP"], spec)
     per_seat = sum(st.values()) * s.gdn_layers

@@ -50,7 +50,8 @@ def attention_flops(s: Shape, context: int) -> float:
     """QK^T and PV per token at the average position of a ``context``-token prompt, over the attention
     layers, plus the GDN state update (a head_k x head_v outer product and read per value head)."""
     attn = 4.0 * s.num_attention_heads * s.head_dim * (context / 2) * s.attention_layers
-    gdn = 4.0 * s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim * s.gdn_layers
+    gdn = 4.0 * s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim * s.gdn_layers \
+        if s.gdn_layers else 0.0
     return attn + gdn
 
 

@@ -61,11 +61,14 @@ class Shape:
 
 
 def layer_types(config: dict[str, Any]) -> tuple[str, ...]:
-    """The per-layer kinds: config's ``layer_types``, else every ``full_attention_interval``-th layer."""
+    """The per-layer kinds: config's ``layer_types``, else every ``full_attention_interval``-th layer;
+    a config with neither is a dense transformer (the quality battery's dense control): all attention."""
     if config.get("layer_types"):
         return tuple(config["layer_types"])
-    every = int(config["full_attention_interval"])
     n = int(config["num_hidden_layers"])
+    if "full_attention_interval" not in config:
+        return ("full_attention",) * n
+    every = int(config["full_attention_interval"])
     return tuple("full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n))
 
 
@@ -79,8 +82,26 @@ def quant_of(qc: dict[str, Any] | None) -> Quant | None:
                  block_prefixes=tuple(prefixes), keep_16bit=tuple(qc.get("keep_16bit", ())))
 
 
+# What the planner reads of every model, and of a model with GDN layers too (HF config names).
+REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "vocab_size")
+REQUIRED_GDN = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim")
+
+
+class ShapeError(ValueError):
+    """A model config the planner cannot read: names the file and the keys it lacks."""
+
+
 def from_config(config: dict[str, Any], source: str) -> Shape:
     cfg = dict(config.get("text_config", config))
+    missing = [k for k in REQUIRED if k not in cfg]
+    if not missing and "linear_attention" in layer_types(cfg):
+        missing = [k for k in REQUIRED_GDN if k not in cfg]
+    if missing:
+        raise ShapeError(f"{source}: the capacity planner needs {', '.join(missing)} in the model's config "
+                         f"(a Hugging Face config.json of a Qwen3 / Qwen3.5-family decoder); point MODEL at a "
+                         f"complete checkpoint folder")
     return Shape(config=cfg, quant=quant_of(config.get("quantization_config")), source=source,
                  layer_types=layer_types(cfg))
 

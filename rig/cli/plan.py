@@ -19,7 +19,7 @@ from rig.cli.serve import HELP
 })
 def plan(c, profile="batch", overlay=None, set=None, platform="", gpu="", context=0, json=False):
     """Predict memory, KV pool, seats and speed bounds of a profile; exit 2 for a plan that cannot start."""
-    from rig.capacity import cards, report
+    from rig.capacity import cards, report, shape
 
     card = None
     if gpu:
@@ -33,7 +33,10 @@ def plan(c, profile="batch", overlay=None, set=None, platform="", gpu="", contex
         if card is None:
             raise Exit("rig: error: no CUDA GPU answers NVML: name the card to plan for with --gpu NAME "
                        f"(known: {', '.join(cards.known())})", code=2)
-    r = report.for_plan(the_plan, card, context or None)
+    try:
+        r = report.for_plan(the_plan, card, context or None)
+    except shape.ShapeError as e:
+        raise Exit(f"rig: error: {e}", code=2) from None
     sys.stdout.write(r.to_json() if json else report.render(r))
     if r.budget.errors:
         raise Exit(code=2)
