@@ -181,3 +181,64 @@ def test_a_config_the_planner_cannot_read_is_refused_naming_the_keys(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "rig: error:" in r.stderr and "config.json: the capacity planner needs" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_decode_bound_reads_weights_once_and_embedding_rows_only():
+    """The roofline by hand: a step moves every loaded weight but the embedding table (its seats' rows),
+    each seat's state twice and its KV once; one seat's bound is bandwidth / those bytes."""
+    from rig.capacity import roofline
+
+    s = shape.real_shape()
+    w = weights.count(s)
+    loaded = w.loaded(with_mtp=False)
+    read = roofline.decode_weight_bytes(loaded, w, s, 64)
+    assert read == loaded - s.vocab_size * s.hidden_size * 2 + 64 * s.hidden_size * 2
+    tied = shape.from_config({**s.config, "tie_word_embeddings": True}, "tied")
+    assert roofline.decode_weight_bytes(loaded, w, tied, 64) == loaded
+    r = roofline.bounds(s, read, 1_000_000, 4_096, 64, 4_096, 936, 71, 284, "", "gate_up")
+    sb = read + 64 * (2 * 1_000_000 + 4_096 * 4_096)
+    assert r.step_bytes == sb and r.decode_tok_s == pytest.approx(64 * 936e9 / sb)
+    i8 = roofline.bounds(s, read, 1_000_000, 4_096, 64, 4_096, 936, 71, 284, "int8", ".")
+    assert i8.prefill_tok_s > r.prefill_tok_s == pytest.approx(r.prefill_tok_s_fp16)  # int8 pays on prefill only
+    assert i8.decode_tok_s == r.decode_tok_s
+
+
+def test_a_busy_card_is_refused_with_the_gpu_util_that_fits():
+    busy = cards.Card(key="rtx3090", name="NVIDIA GeForce RTX 3090", memory_bytes=RTX3090.memory_bytes,
+                      free_bytes=20 * 2**30, bandwidth_gbs=936, fp16_tflops=71, int8_tops=284)
+    b = report.for_plan(resolve("batch", platform="gpu", environ={}), busy).budget
+    assert len(b.errors) == 1 and "has 20.00 GiB free" in b.errors[0] and "GPU_UTIL=0.825" in b.errors[0]
+
+
+def test_nvml_names_find_the_tables_rates():
+    c = cards.from_device("NVIDIA GeForce RTX 3090", 25_769_803_776, 25_000_000_000)
+    assert (c.key, c.bandwidth_gbs, c.int8_tops, c.free_bytes) == ("rtx3090", 936, 284, 25_000_000_000)
+    unknown = cards.from_device("NVIDIA Z9000", 10**10, 10**10)
+    assert unknown.key == "nvml" and unknown.bandwidth_gbs is None
+
+
+def test_max_len_near_the_cliff_is_warned_with_the_value_that_leaves_room():
+    fit = budget(MAX_LEN="262144").max_len_fit
+    near = budget(MAX_LEN=str(fit - 16))
+    assert not near.errors and [w for w in near.warnings if w.startswith(f"MAX_LEN={fit - 16} is within")]
+    roomy = int(fit / 1.2)
+    assert not [w for w in budget(MAX_LEN=str(roomy)).warnings if w.startswith("MAX_LEN=")]
+
+
+def test_a_pool_on_a_card_the_overheads_were_not_fitted_on_is_called_an_estimate():
+    h200 = report.for_plan(resolve("batch", platform="gpu", environ={}), cards.card("h200")).budget
+    assert [w for w in h200.warnings if "fitted on the rtx3090" in w and "KV_MEM (bytes) makes it exact" in w]
+    assert not [w for w in budget().warnings if "fitted on" in w]
+    exact = report.for_plan(resolve("batch", platform="gpu", environ={}, sets={"KV_MEM": "4G"}), cards.card("h200"))
+    assert not [w for w in exact.budget.warnings if "fitted on" in w]
+
+
+def test_the_log_reader_takes_the_last_report_and_none_for_a_missing_line():
+    from rig.capacity import logged
+
+    log = ("INFO Setting attention block size to 800 tokens to ensure that attention page size is >= mamba page size.\n"
+           "INFO Padding mamba page size by 0.25% to ensure that mamba page size and attention page size are exactly "
+           "equal.\nINFO GPU KV cache size: 1,000 tokens\nINFO Using FLASH_ATTN attention backend out of potential "
+           "backends\nINFO GPU KV cache size: 223,821 tokens\n")
+    assert logged.read(log) == logged.Logged(223_821, 800, 0.25, "FLASH_ATTN")
+    assert logged.read("INFO CPU KV cache size: 9 tokens") == logged.Logged(9, None, None, None)

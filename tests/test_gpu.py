@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +40,18 @@ def _cuda_device() -> tuple[str, str] | None:
             pynvml.nvmlShutdown()
     except Exception:
         return None
+
+
+def _memory() -> tuple[int, int]:
+    """(total, free) bytes of GPU 0 through NVML."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return int(mem.total), int(mem.free)
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def _skip_reason() -> str | None:
@@ -115,23 +126,29 @@ def _metric(server, name: str) -> float:
 
 def test_ready_on_cuda_and_records_what_vllm_chose(gpu_server):
     from rig import paths
+    from rig.capacity import cards, logged, report
     from rig.fingerprint import collect
 
     server, plan, info = gpu_server
     log = server.log_path.read_text(errors="replace")
-    backend = re.search(r"Using (\w+) (?:attention )?backend", log)
-    pool = re.search(r"GPU KV cache size: ([\d,]+) tokens", log)
-    assert pool, "no KV pool line in the server's log"
+    seen = logged.read(log)
+    assert seen.pool_tokens, "no KV pool line in the server's log"
     record = {**info, "plan_digest": plan.digest, "argv": plan.argv,
-              "attention_backend": backend.group(1) if backend else None,
-              "kv_pool_tokens": int(pool.group(1).replace(",", "")),
+              "attention_backend": seen.attention_backend, "kv_pool_tokens": seen.pool_tokens,
+              "block_size": seen.block_size, "mamba_padding_pct": seen.padding_pct,
               "gdn_prefill": "triton" if "Triton/FLA GDN prefill" in log else None,
               "fingerprint": collect(plan), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out = paths.results_dir() / "gpu-tier.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
-    print(json.dumps({k: record[k] for k in ("device", "arch", "ready_s", "attention_backend", "kv_pool_tokens")}))
+    print(json.dumps({k: record[k] for k in ("device", "arch", "ready_s", "attention_backend", "kv_pool_tokens",
+                                             "block_size", "mamba_padding_pct")}))
     assert record["arch"] == plan.knobs["GPU_ARCH"]
+    # The capacity planner (vLLM's page and pool code, run without a server) predicted all three.
+    card = cards.from_device(info["device"], *_memory())
+    pool = report.for_plan(plan, card).budget.pool
+    assert (seen.pool_tokens, seen.block_size) == (pool.reported_tokens, pool.block_size)
+    assert seen.padding_pct is None or seen.padding_pct == round(100 * pool.padding, 2)
 
 
 def test_streaming_chat_with_usage(gpu_server):

@@ -114,17 +114,13 @@ def test_a_live_cpu_server_stays_within_what_preflight_reserves_for_it(batch_ser
 def test_capacity_plan_matches_what_the_live_cpu_server_built(batch_server):
     """The planner's block size, page padding and pool (vLLM's pages and pool code, no server) equal what
     the running server logged for the same plan: the restated hybrid block-size rule included."""
-    import re
-
-    from rig.capacity import report
+    from rig.capacity import logged, report
     from rig.plan import resolve
 
     pool = report.for_plan(resolve("batch", (), "cpu", environ={}), None).budget.pool
-    log = batch_server.log_path.read_text(errors="replace")
-    tokens = re.search(r"KV cache size: ([\d,]+) tokens", log)
-    block = re.search(r"Setting attention block size to (\d+) tokens", log)
-    padding = re.search(r"Padding mamba page size by ([\d.]+)%", log)
-    assert tokens and block and padding, "the server did not log its pool, block size and page padding"
-    assert int(tokens.group(1).replace(",", "")) == pool.reported_tokens
-    assert int(block.group(1)) == pool.block_size
-    assert float(padding.group(1)) == round(100 * pool.padding, 2)
+    seen = logged.read(batch_server.log_path.read_text(errors="replace"))
+    assert None not in (seen.pool_tokens, seen.block_size, seen.padding_pct), \
+        f"the server did not log its pool, block size and page padding: {seen}"
+    assert seen.pool_tokens == pool.reported_tokens
+    assert seen.block_size == pool.block_size
+    assert seen.padding_pct == round(100 * pool.padding, 2)

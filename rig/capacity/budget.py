@@ -83,6 +83,10 @@ def plan_budget(knobs: dict[str, Any], platform: str, s: Shape, card: cards.Card
         kv = knobs["KV_MEM"] or requested - weight_bytes - runtime - pc
         b = Budget(platform, card.name, card.memory_bytes, requested, weight_bytes, runtime, pc, kv,
                    "KV_MEM" if knobs["KV_MEM"] else "GPU_UTIL", None)
+        if not knobs["KV_MEM"] and card.key != ov["calibrated_on"]:
+            b.warnings.append(f"the runtime overhead ({_gib(runtime)}) was fitted on the {ov['calibrated_on']}'s "
+                              f"published pool, not measured on the {card.name}: its pool is an estimate; "
+                              "KV_MEM (bytes) makes it exact")
         if weight_bytes + runtime >= requested:
             b.errors.append(f"the weights alone ({_gib(weight_bytes)}) and the runtime overhead ({_gib(runtime)}) "
                             f"exceed GPU_UTIL={knobs['GPU_UTIL']} of the {card.name}'s {_gib(card.memory_bytes)} "

@@ -7,7 +7,8 @@ packs per-token-head scales and TurboQuant slots), the grouping of 48 GDN + 16 a
 into one shared pool (``get_kv_cache_groups``), blocks from bytes (``get_kv_cache_config_from_groups``)
 and the "GPU KV cache size: N tokens" figure (``get_kv_cache_capacity``). Only the hybrid block-size
 rule of ``Platform._align_hybrid_block_size`` is restated (it needs a model built in a live
-config); tests/test_capacity_live.py holds it to a running server's log.
+config); tests/test_server_live.py::test_capacity_plan_matches_what_the_live_cpu_server_built holds it to a
+running server's log.
 """
 
 from __future__ import annotations

@@ -83,15 +83,17 @@ def for_plan(plan: Plan, card: cards.Card | None, context: int | None = None) ->
     per_draft = (one_more["conv"] - base["conv"]) * s.gdn_layers + pages.mamba_page_bytes(
         s, k["MAMBA_SSM_DTYPE"], k["TP"], 1) * s.gdn_layers  # a conv row + a state block per group's layers
     b = budget.plan_budget(k, plan.platform, s, card, paths.ROOT)
+    w = weights.count(s)
     kvt = kv_table(s, k["TP"])
     roof = None
     if card is not None and card.bandwidth_gbs and card.fp16_tflops and b.pool is not None and k["KV"] != "kvarn":
         ctx = context or min(k["MAX_LEN"], 4096)
         seats = max(1, min(k["MAX_SEQS"], b.pool.seats(ctx)))
         kv_tok = b.pool.attn_token_bytes * s.attention_layers
-        roof = roofline.bounds(s, b.weights_bytes, per_seat, kv_tok, seats, ctx, card.bandwidth_gbs,
+        read = roofline.decode_weight_bytes(b.weights_bytes, w, s, seats, k["TP"] * k["PP"])
+        roof = roofline.bounds(s, read, per_seat, kv_tok, seats, ctx, card.bandwidth_gbs,
                                card.fp16_tflops, card.int8_tops, k["INT8_ACT"], k["INT8_LAYERS"])
-    return Report(plan.profile, plan.platform, s.source, card, k, weights.count(s), st, per_seat, per_draft, kvt,
+    return Report(plan.profile, plan.platform, s.source, card, k, w, st, per_seat, per_draft, kvt,
                   b, roof)
 
 

@@ -28,6 +28,15 @@ class Roofline:
     prefill_tok_s_fp16: float
 
 
+def decode_weight_bytes(loaded_bytes: int, w: weights.Weights, s: Shape, seats: int, tp_pp: int = 1) -> int:
+    """Weight bytes one decode step reads: every loaded weight but the input embedding table, of which
+    a step reads only its seats' rows (a tied table is read whole, as the lm_head)."""
+    if s.config.get("tie_word_embeddings"):
+        return loaded_bytes
+    row = s.hidden_size * s.dtype_bytes
+    return loaded_bytes - w.embeddings // tp_pp + seats * row
+
+
 def step_bytes(weight_bytes: int, state_per_seat: int, kv_token_bytes: int, seats: int, context: int) -> int:
     """Bytes one decode step moves: weights once, each seat's state read + written, each seat's KV read."""
     return weight_bytes + seats * (2 * state_per_seat + context * kv_token_bytes)
