@@ -125,6 +125,13 @@ class Knobs(BaseModel):
             "mamba-align-checkpoint-order, VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS); needs PREFIX_CACHE=1"
         )
     )
+    KEEP_CHECKPOINTS_MAX: int = Field(
+        ge=1,
+        description=(
+            "checkpoints kept per request and mamba group with KEEP_CHECKPOINTS=1 (exported as "
+            "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX only then; the patch also caps them at 1/16 of the pool)"
+        ),
+    )
     ENFORCE_EAGER: Literal[0, 1] = Field(description="1 = no torch.compile / CUDA graphs (faster start, slower run)")
 
     @field_validator("INT8_LAYERS")

@@ -21,6 +21,7 @@ from rig import profiles
 from rig.knobs import INT8_LAYER_ALIASES, KVARN_BLOCK_SIZES, KnobError, Knobs, coerce, validate
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+KEEP_MAX_ENV = "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX"
 FP8_ACT_ARCHS = ("sm89", "sm120")
 
 
@@ -152,6 +153,22 @@ def rules(k: Knobs, pf: profiles.ProfileFile, platform: str) -> tuple[list[str],
     return errors, warnings, fix
 
 
+def environment_rules(k: Knobs, environ: Mapping[str, str]) -> list[str]:
+    """Patch variables set directly in the environment that the server would see: refused when they clash.
+
+    The server starts with this environment under the plan's env, so with KEEP_CHECKPOINTS=1 the
+    knob's value replaces a direct VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX; a different one (a typo,
+    a malformed value) is refused here, before a server starts, instead of being silently replaced.
+    """
+    errors = []
+    direct = environ.get(KEEP_MAX_ENV)
+    if k.KEEP_CHECKPOINTS and direct is not None and direct.strip() != str(k.KEEP_CHECKPOINTS_MAX):
+        errors.append(f"{KEEP_MAX_ENV}={direct!r} (set in the environment): with KEEP_CHECKPOINTS=1 rig sets it "
+                      f"from the knob KEEP_CHECKPOINTS_MAX (now {k.KEEP_CHECKPOINTS_MAX}); allowed: unset, or "
+                      f"the same value; to change it unset {KEEP_MAX_ENV} and set KEEP_CHECKPOINTS_MAX=<int >= 1>")
+    return errors
+
+
 def _flag(name: str, value: Any) -> list[str]:
     """vLLM's own convention: snake -> --kebab, bool -> --x / --no-x, dict -> JSON."""
     opt = "--" + name.replace("_", "-")
@@ -246,6 +263,7 @@ def needs(k: Knobs) -> tuple[dict[str, str], list[str], list[str]]:
         patches.append("tool-choice-shared-engine")
     if k.KEEP_CHECKPOINTS:
         env["VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS"] = "1"
+        env[KEEP_MAX_ENV] = str(k.KEEP_CHECKPOINTS_MAX)  # read by the patch only with the knob on
         patches.append("mamba-align-checkpoint-order")
     if k.KV == "kvarn":
         kernels.append("kvarn")
@@ -268,6 +286,7 @@ def resolve(profile: str, overlays: Sequence[str] = (), platform: str | None = N
     except KnobError as e:
         raise PlanError([f"{m} (set by {sources.get(m.split('=')[0], '?')})" for m in e.messages]) from None
     errors, warnings, fix = rules(knobs, pf, platform)
+    errors += environment_rules(knobs, environ)
     if errors:
         raise PlanError(errors)
     knobs = knobs.model_copy(update=fix)

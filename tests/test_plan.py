@@ -15,7 +15,7 @@ from rig import paths, profiles
 from rig.golden import CASES, GOLDEN, case_id
 from rig.golden import path as golden_path
 from rig.knobs import Knobs
-from rig.plan import PlanError, check_with_vllm, resolve
+from rig.plan import KEEP_MAX_ENV, PlanError, check_with_vllm, resolve
 from rig.server import free_port, port_in_use
 
 # The shell's layout, for the tests that run `inv serve` for real: what it builds (the tiny model)
@@ -155,6 +155,57 @@ def test_keep_checkpoints_needs_prefix_cache():
         resolve("batch", (), "gpu", environ={}, sets={"KEEP_CHECKPOINTS": "1"})
 
 
+KEEP_ON = {"PREFIX_CACHE": "1", "KEEP_CHECKPOINTS": "1"}
+
+
+def test_keep_checkpoints_max_is_exported_only_with_keep_checkpoints():
+    assert resolve("batch", (), "gpu", environ={}, sets=KEEP_ON).env[KEEP_MAX_ENV] == "2"  # profiles/base.toml
+    three = resolve("batch", (), "gpu", environ={}, sets={**KEEP_ON, "KEEP_CHECKPOINTS_MAX": "3"})
+    assert three.env[KEEP_MAX_ENV] == "3" and three.sources["KEEP_CHECKPOINTS_MAX"] == "--set"
+    off = resolve("batch", (), "gpu", environ={}, sets={"PREFIX_CACHE": "1", "KEEP_CHECKPOINTS_MAX": "3"})
+    assert KEEP_MAX_ENV not in off.env and "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS" not in off.env
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two", "1.5", ""])
+def test_keep_checkpoints_max_refuses_a_malformed_value(bad):
+    with pytest.raises(PlanError) as e:
+        resolve("batch", (), "gpu", environ={"KEEP_CHECKPOINTS_MAX": bad}, sets=KEEP_ON)
+    (msg,) = e.value.messages
+    assert msg.startswith(f"KEEP_CHECKPOINTS_MAX={int(bad) if bad.lstrip('-').isdigit() else bad!r}: ")
+    assert "allowed: int >= 1" in msg and "(set by env)" in msg
+
+
+def test_a_direct_keep_checkpoints_max_variable_that_the_knob_would_replace_is_refused():
+    """The server's environment is the shell's under the plan's env: a direct variable would be replaced silently."""
+    with pytest.raises(PlanError) as e:
+        resolve("batch", (), "gpu", environ={KEEP_MAX_ENV: "two"}, sets=KEEP_ON)
+    (msg,) = e.value.messages
+    assert msg.startswith(f"{KEEP_MAX_ENV}='two' (set in the environment)") and "KEEP_CHECKPOINTS_MAX=<int >= 1>" in msg
+    with pytest.raises(PlanError, match=f"{KEEP_MAX_ENV}='3'"):  # well-formed but not what the knob says
+        resolve("batch", (), "gpu", environ={KEEP_MAX_ENV: "3"}, sets=KEEP_ON)
+    same = resolve("batch", (), "gpu", environ={KEEP_MAX_ENV: "3", "KEEP_CHECKPOINTS_MAX": "3"}, sets=KEEP_ON)
+    assert same.env[KEEP_MAX_ENV] == "3"
+    # With the knob off the patch never reads the variable (test_patch_mamba.py): no reason to refuse it.
+    assert KEEP_MAX_ENV not in resolve("batch", (), "gpu", environ={KEEP_MAX_ENV: "two"}).env
+
+
+@pytest.mark.parametrize("how", ["knob", "variable"])
+def test_serve_refuses_a_malformed_keep_checkpoints_max_with_exit_2(how):
+    cmd = [str(Path(sys.executable).with_name("inv")), "serve", "--profile", "batch", "--platform", "gpu",
+           "--dry-run", "--set", "PREFIX_CACHE=1", "--set", "KEEP_CHECKPOINTS=1"]
+    env = shell_env()
+    env.pop(KEEP_MAX_ENV, None)
+    if how == "knob":
+        cmd += ["--set", "KEEP_CHECKPOINTS_MAX=0"]
+        needle = "rig: error: KEEP_CHECKPOINTS_MAX=0: "
+    else:
+        env[KEEP_MAX_ENV] = "2x"
+        needle = f"rig: error: {KEEP_MAX_ENV}='2x' (set in the environment)"
+    r = subprocess.run(cmd, cwd=paths.ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and needle in r.stderr, (r.returncode, r.stderr)
+    assert r.stdout == ""  # no plan printed
+
+
 def test_tools_off_drops_auto_tool_choice():
     argv = resolve("batch", (), "gpu", environ={}, sets={"TOOLS": "0"}).argv
     assert "--enable-auto-tool-choice" not in argv and "--tool-call-parser" not in argv
@@ -236,6 +287,7 @@ BAD = {
     "SPEC": "eagle", "SPEC_K": "0", "DRAFT_MODEL": "", "PREFILL_ATTN": "fp4", "MODEL": "", "SERVED_NAME": "",
     "API_KEY_FILE": "", "TP": "3", "PP": "0", "EXECUTOR": "slurm", "MAMBA_SSM_DTYPE": "int8",
     "BLOCK_SIZE": "-1", "GPU_ARCH": "sm75", "ENFORCE_EAGER": "2", "KEEP_CHECKPOINTS": "yes", "KV_MEM": "3GB",
+    "KEEP_CHECKPOINTS_MAX": "0",
     "GPU_MEM": "24 GiB",
 }
 
