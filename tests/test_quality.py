@@ -201,6 +201,155 @@ def test_battery_refuses_a_plan_that_undoes_the_overlay_before_starting(tmp_path
     assert not any(tmp_path.iterdir())  # nothing started, nothing written
 
 
+# ---- the server that is already running, and one that dies mid-battery -------------------------
+
+# A process that answers GET /health with 200 and nothing else: what Record.check asks of a live
+# server (its pid, start time and /health), so the check is the real one, on a real process.
+HEALTH = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.fixture
+def health_server(tmp_path):
+    """(process, url) of a /health responder, up before the test starts."""
+    import time
+
+    import httpx
+
+    from rig.server import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", HEALTH, str(port)])
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield proc, url
+    proc.kill()
+    proc.wait()
+
+
+def _record(state, proc, url, plan):
+    """A record `serve` would have written for ``proc`` serving ``plan`` (running.write, for real)."""
+    from types import SimpleNamespace
+
+    from rig import running
+
+    return running.Record.model_validate_json(
+        running.write(plan, SimpleNamespace(proc=proc, url=url, log_path=None)).read_text())
+
+
+def _gpu_plan(tmp, overlays: list[str], **sets: str):
+    from rig.plan import resolve
+    from rig.server import free_port
+
+    (tmp / "api_key").write_text("k\n")
+    return resolve("batch", overlays, "gpu", environ={},
+                   sets={"PORT": str(free_port()), "API_KEY_FILE": str(tmp / "api_key"), **sets})
+
+
+def test_quality_running_refuses_a_recorded_plan_without_the_perplexity_headroom(tmp_path, monkeypatch,
+                                                                                health_server):
+    """GPU_UTIL 0.972 of GPU_MEM=24G: the server's /metrics show a share of the whole card (below 0.93 on
+    an H200), so only the plan tells; it is refused before a request is sent, exit 2, nothing written."""
+    from invoke import Context, Exit
+
+    from rig.cli.quality import quality
+
+    monkeypatch.setenv("RIG_STATE_DIR", str(tmp_path))
+    proc, url = health_server
+    plan = _gpu_plan(tmp_path, [], GPU_MEM="24G")
+    assert plan.knobs["GPU_UTIL"] == 0.972
+    rec = _record(tmp_path, proc, url, plan)
+    with pytest.raises(Exit) as e:
+        quality(Context(), running=True, suite="tiny-quick", docs=False)
+    msg = str(e.value.message)
+    assert e.value.code == 2, msg
+    assert f"refusing to measure the running server at {url} (pid {rec.pid})" in msg and "nothing was sent" in msg
+    assert "GPU_UTIL=0.972 of GPU_MEM=24 GiB" in msg and "<= 0.93" in msg
+    assert "inv serve --profile batch --overlay quality" in msg
+    assert not (tmp_path / "results").exists()
+    for f in (tmp_path / "servers").iterdir():
+        f.unlink()
+    # the same server started with the quality overlay meets the plan check; it goes on to /metrics,
+    # where the /health responder has no cache config: refused for that instead (exit 2, nothing judged)
+    _record(tmp_path, proc, url, _gpu_plan(tmp_path, ["quality"], GPU_MEM="24G"))
+    with pytest.raises(Exit) as e:
+        quality(Context(), running=True, suite="tiny-quick", docs=False)
+    msg = str(e.value.message)
+    assert e.value.code == 2 and f"refusing to measure the server at {url}:" in msg, msg
+    assert "no vllm:cache_config_info" in msg and "inv serve --profile batch --overlay quality" in msg
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_server_that_dies_mid_battery_keeps_what_was_measured_and_runs_nothing_more(tmp_path, monkeypatch,
+                                                                                     health_server):
+    """The recorded server dies during the second component: the check after it says so, the rest is not
+    run, and the partial result (what was measured, the problem, what never ran) is saved, never judged."""
+    from rig.plan import resolve
+    from rig.quality import battery
+
+    monkeypatch.setenv("RIG_STATE_DIR", str(tmp_path))
+    proc, url = health_server
+    plan = resolve("batch", ["quality"], "cpu", environ={}, sets={"API_KEY_FILE": str(tmp_path / "k")})
+    rec = _record(tmp_path, proc, url, plan)
+    ran: list[str] = []
+
+    def dies() -> dict:
+        proc.kill()
+        proc.wait()
+        return {"overall": 3.0}
+
+    parts = [("digest", lambda: {"digest": "ab" * 32}), ("perplexity", dies),
+             ("garbage", lambda: ran.append("garbage") or {}), ("toolcall", lambda: ran.append("toolcall") or {})]
+    lines: list[str] = []
+    m = battery.measure(parts, rec.check, lines.append)
+    assert ran == [] and m.not_run == ["garbage", "toolcall"] and list(m.found) == ["digest", "perplexity"]
+    assert m.problems == [f"the server (pid {rec.pid}) is gone (checked after perplexity)"], m.problems
+    assert lines[0].startswith("quality: digest abababab") and lines[1].startswith("quality: perplexity 3 overall")
+    out = tmp_path / "results" / "quality-20261202T100000Z-batch"
+    header = {"schema_version": 1, "kind": "quality-result", "utc": "2026-12-02T10:00:00Z", "profile": "batch"}
+    result = battery.save_partial(header, m, out)
+    saved = json.loads((out / "result.json").read_text())
+    assert [x.name for x in out.iterdir()] == ["result.json"]  # atomic: no .partial left behind
+    assert saved["passed"] is False and saved["verdict"] == "invalid" and saved["gates"] == []
+    assert saved["not_run"] == ["garbage", "toolcall"] and saved["perplexity"] == {"overall": 3.0}
+    assert saved["problems"] == m.problems and "\n" not in saved["summary"]
+    message = str(battery.BatteryAborted(result))
+    assert "\n" not in message and "not run: garbage, toolcall" in message and str(out / "result.json") in message
+    with pytest.raises(battery.QualityError, match="partial result of a run that stopped"):
+        battery.load_reference(out / "result.json")  # never a reference
+
+
+def test_a_request_that_fails_mid_battery_stops_it_with_the_error_in_one_line(tmp_path):
+    """A real connection error (nothing listens on the port) is a problem of the run, not a traceback."""
+    from rig.quality import battery
+    from rig.quality.client import Client
+    from rig.server import free_port
+
+    client = Client(f"http://127.0.0.1:{free_port()}", None, "m", timeout=5)
+    ran: list[str] = []
+    parts = [("digest", lambda: {"digest": "cd" * 32}),
+             ("perplexity", lambda: client.completion({"prompt": [1, 2], "max_tokens": 1})),
+             ("garbage", lambda: ran.append("garbage") or {})]
+    m = battery.measure(parts, lambda: None, lambda line: None)
+    assert ran == [] and m.not_run == ["garbage"] and list(m.found) == ["digest"]
+    [problem] = m.problems
+    assert problem.startswith("perplexity failed: ConnectError") and "\n" not in problem, problem
+    with pytest.raises(KeyError):  # a bug in a component is not a server failure: it is raised
+        battery.measure([("digest", lambda: {}["x"])], lambda: None, lambda line: None)
+
+
 # ---- gates -------------------------------------------------------------------------------------
 
 

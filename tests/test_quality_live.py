@@ -3,14 +3,18 @@ degraded copy, and refuses a server whose cache settings would corrupt perplexit
 
 Servers: the session's ``batch_server`` (random tiny hybrid; on CPU its settings equal the quality
 overlay's, so it is measured, not refused), the trained model and its degraded copy (each started by
-the battery itself with the quality overlay), and one eager server with prefix caching on (refused).
+the battery itself with the quality overlay), one eager server with prefix caching on (refused), and
+one the battery starts and that is killed after its first component (a partial result, exit 1).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rig.plan import Plan, resolve
@@ -141,3 +145,30 @@ def test_a_prefix_cached_server_is_refused(tiny_model, session_tmp):
             battery.run(plan, "tiny-quick", url=server.url, key=server.api_key, results_root=session_tmp / "r")
     finally:
         server.stop()
+
+
+def test_a_server_killed_mid_battery_leaves_a_partial_result(tiny_model, session_tmp, capsys):
+    """The battery's own server is killed (its whole process group, SIGKILL) as the digest is logged: perplexity
+    fails on the dead server, the check after it names the exit, garbage never runs; the digest is kept in a
+    partial result that judges nothing."""
+    plan = _plan(session_tmp, ENFORCE_EAGER="1")
+    killed: list[int] = []
+
+    def log(line: str) -> None:
+        print(line)
+        if line.startswith("quality: digest") and not killed:
+            [leader] = [p for p in psutil.Process().children(recursive=True)
+                        if "vllm" in " ".join(p.cmdline()) and os.getpgid(p.pid) == p.pid]
+            os.killpg(leader.pid, signal.SIGKILL)
+            killed.append(leader.pid)
+
+    with pytest.raises(battery.BatteryAborted) as e:
+        battery.run(plan, "tiny-quick", results_root=session_tmp / "killed", log=log)
+    r = e.value.result
+    assert killed and r["passed"] is False and r["verdict"] == "invalid" and r["gates"] == [], r["summary"]
+    assert r["not_run"] == ["garbage"] and "digest" in r["digest"] and "perplexity" not in r, r
+    assert r["problems"][0].startswith("perplexity failed: "), r["problems"]
+    assert r["problems"][-1] == (f"the server rig started (pid {killed[0]}) exited with code -9; "
+                                 f"log {Path(r['path']).parent / 'vllm.log'} (checked after perplexity)"), r["problems"]
+    assert json.loads(Path(r["path"]).read_text())["not_run"] == ["garbage"]
+    assert "\n" not in str(e.value) and "Traceback" not in capsys.readouterr().out

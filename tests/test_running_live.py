@@ -4,8 +4,8 @@ Two servers, one after the other (never both up: the first is killed by its last
 - `cached`: batch with PREFIX_CACHE=1 and a 512 MiB KV cache — a bench pass warns that the cache
   could not be reset (serve's plans do not set VLLM_SERVER_DEV_MODE); raw, shared-prefix and the
   quality battery are refused with exit 2 before a request is sent (the server's own request
-  counters do not move); then `kill -9` of serve and its server leaves a stale record, ignored
-  with a message.
+  counters do not move; the battery is refused on the recorded plan); then `kill -9` of serve and
+  its server leaves a stale record, ignored with a message.
 - `batch`: the batch profile as `pixi run serve-batch` runs it on CPU — a throughput cell and the
   quality battery against it carry its plan digest; `verify --running` passes; then its engine is
   killed mid-run: the run is invalid, what was measured is kept, the cell after it is "not run".
@@ -175,9 +175,11 @@ def test_what_the_running_server_cannot_do_is_refused_before_a_request_is_sent(c
     assert e.value.code == 2 and "nothing was sent" in msg
     assert "protocol 'raw'" in msg and "PREFIX_CACHE=1 (needs 0)" in msg and "inv serve --set SPEC=off" in msg
     assert "protocol 'shared-prefix' compares two servers" in msg
-    with pytest.raises(Exit) as e:
+    with pytest.raises(Exit) as e:  # refused on the recorded plan, before /metrics is read
         quality.quality(Context(), running=True, suite="tiny-quick", docs=False)
-    assert e.value.code == 2 and "enable_prefix_caching=True" in str(e.value.message), e.value.message
+    msg = str(e.value.message)
+    assert e.value.code == 2 and "PREFIX_CACHE=1 (from --set)" in msg and "nothing was sent" in msg, msg
+    assert "inv serve --profile batch --overlay quality" in msg, msg
     assert sorted(paths.results_dir().iterdir()) == results_before  # nothing half-written either
     assert _counters(cached) == before
 

@@ -69,6 +69,8 @@ def quality(c, profile="batch", overlay=None, set=None, platform="", url="", key
                              save_reference=save_reference, record=record)
     except (battery.QualityError, PreflightError, PlanError, RunningError) as e:
         raise Exit(f"rig: error: {e}", code=2) from None
+    except battery.BatteryAborted as e:  # the partial result is saved; one line, no traceback
+        raise Exit(f"rig: {e}", code=1) from None
     except (ServerError, ServerRefused) as e:
         raise Exit(f"rig: error: the server failed during the battery: {e}", code=1) from None
     report.print_table(result)

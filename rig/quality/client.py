@@ -41,6 +41,13 @@ class Client:
         """The model's own tokenization (vLLM's /tokenize), without special tokens."""
         return self.post("/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
 
+    def healthy(self, timeout: float = 5.0) -> bool:
+        """/health answers 200: the liveness check of a server rig has no process of (a --url server)."""
+        try:
+            return self._http.get("/health", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def metrics(self) -> str:
         r = self._http.get("/metrics")
         r.raise_for_status()

@@ -30,6 +30,11 @@ from pathlib import Path
 
 from rig import paths
 
+
+class LmEvalError(RuntimeError):
+    """lm-eval did not produce a score (it failed, timed out, or its output lacks the gated metric)."""
+
+
 NAMES = ["Ana", "Bruno", "Chen", "Dara", "Emil", "Farah", "Goran", "Hana", "Ivo", "Julia"]
 ITEMS = ["apples", "books", "stamps", "pencils", "shells", "coins", "cards", "marbles"]
 
@@ -127,18 +132,21 @@ def run(suite, url: str, key: str | None, model: str, tokenizer: str | None, out
     argv = command(suite, url, model, tokenizer, out)
     log = out / "lm_eval.log"
     with log.open("wb") as f:
-        proc = subprocess.run(argv, cwd=paths.ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
+        try:
+            proc = subprocess.run(argv, cwd=paths.ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
+        except subprocess.TimeoutExpired:
+            raise LmEvalError(f"lm-eval ran past 3600 s; log {log}") from None
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").splitlines()[-15:]
-        raise RuntimeError(f"lm-eval exited with {proc.returncode}; log {log}:\n" + "\n".join(tail))
+        raise LmEvalError(f"lm-eval exited with {proc.returncode}; log {log}:\n" + "\n".join(tail))
     files = sorted(out.rglob("results_*.json"))
     if not files:
-        raise RuntimeError(f"lm-eval wrote no results_*.json under {out}; log {log}")
+        raise LmEvalError(f"lm-eval wrote no results_*.json under {out}; log {log}")
     res = json.loads(files[-1].read_text())["results"][suite.task]
     scores = {k.split(",", 1)[1]: round(100 * v, 2) for k, v in res.items()
               if k.startswith(suite.metric + ",") and "stderr" not in k and isinstance(v, (int, float))}
     if suite.filter not in scores:
-        raise RuntimeError(f"lm-eval results have no {suite.metric},{suite.filter}; got {sorted(res)}")
+        raise LmEvalError(f"lm-eval results have no {suite.metric},{suite.filter}; got {sorted(res)}")
     samples = sorted(files[-1].parent.glob(f"samples_{suite.task}_*.jsonl"))
     return {"task": suite.task, "api": suite.api, "limit": suite.limit, "score": scores[suite.filter],
             "filter": suite.filter, "scores": scores, "samples_dir": str(files[-1].parent),
@@ -154,7 +162,7 @@ def format_pct(samples: Path) -> float:
     rows = [_json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
     strict = [r for r in rows if r.get("filter") == "strict-match"]
     if not strict:
-        raise RuntimeError(f"{samples}: no strict-match rows; the task must define that filter")
+        raise LmEvalError(f"{samples}: no strict-match rows; the task must define that filter")
 
     def answer(r: dict) -> str:
         f = r.get("filtered_resps")

@@ -130,18 +130,22 @@ class SetResult:
         return {**asdict(self), "ppl": round(self.ppl, 4)}
 
 
+class PerplexityError(RuntimeError):
+    """The server's answer cannot be scored (too few prompt logprobs, a token missing): the run is invalid."""
+
+
 def window_nll(client: Client, ids: list[int]) -> tuple[float, int]:
     """(sum of -logprob over tokens 2..n, count) of one window, from the server's prompt_logprobs."""
     body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
     plp = client.completion(body)["choices"][0]["prompt_logprobs"]
     if plp is None or len(plp) != len(ids):
-        raise RuntimeError(f"server returned {0 if plp is None else len(plp)} prompt logprobs for {len(ids)} tokens "
+        raise PerplexityError(f"server returned {0 if plp is None else len(plp)} prompt logprobs for {len(ids)} tokens "
                            "(prefix caching on? cached prefixes return none)")
     total = 0.0
     for tok, entry in zip(ids[1:], plp[1:], strict=True):
         lp = entry.get(str(tok))
         if lp is None:
-            raise RuntimeError(f"prompt_logprobs lacks the prompt token {tok}: {list(entry)[:3]}")
+            raise PerplexityError(f"prompt_logprobs lacks the prompt token {tok}: {list(entry)[:3]}")
         value = lp["logprob"]
         total -= value if math.isfinite(value) else -1e4
     return total, len(ids) - 1

@@ -41,22 +41,29 @@ def cache_config(metrics_text: str) -> dict[str, str]:
     return dict(LABEL.findall(m.group("labels"))) if m else {}
 
 
-def plan_refusals(plan: Plan, needs: Needs) -> list[str]:
-    """Why the battery will not start this plan's server (a --set that undoes the quality overlay)."""
+def plan_refusals(plan: Plan, needs: Needs, fix: str = "drop that --set") -> list[str]:
+    """Why the battery will not measure this plan's server; each reason ends with ``fix``.
+
+    Its own server: a --set that undoes the quality overlay. A recorded server: a plan started without
+    the overlay — judged on the plan because with GPU_MEM the server's /metrics show GPU_UTIL as a share
+    of the whole card (0.972 of 24 GiB on a 140 GiB H200 reads about 0.17), which passes the /metrics check while
+    the 24 GiB budget leaves no room for prompt_logprobs.
+    """
     out = []
     if bool(plan.knobs["PREFIX_CACHE"]) != needs.prefix_caching:
         out.append(f"PREFIX_CACHE={plan.knobs['PREFIX_CACHE']} (from {plan.sources.get('PREFIX_CACHE')}): the battery "
-                   f"needs {int(needs.prefix_caching)}, cached prefixes return no prompt logprobs; drop that --set")
+                   f"needs {int(needs.prefix_caching)}, cached prefixes return no prompt logprobs; {fix}")
     if plan.knobs["GPU_UTIL"] > needs.max_gpu_util:
-        out.append(f"GPU_UTIL={plan.knobs['GPU_UTIL']} (from {plan.sources.get('GPU_UTIL')}): the battery needs <= "
-                   f"{needs.max_gpu_util} (room for prompt_logprobs); drop that --set")
+        of = (f" of GPU_MEM={plan.knobs['GPU_MEM'] / 2**30:g} GiB" if plan.knobs.get("GPU_MEM") else "")
+        out.append(f"GPU_UTIL={plan.knobs['GPU_UTIL']}{of} (from {plan.sources.get('GPU_UTIL')}): the battery needs "
+                   f"<= {needs.max_gpu_util} (room for prompt_logprobs); {fix}")
     return out
 
 
-def refusals(metrics_text: str, needs: Needs) -> list[str]:
-    """Why this server cannot be measured (empty: it can). Each reason says how to start it instead."""
+def refusals(metrics_text: str, needs: Needs,
+             how: str = "start it with the quality overlay (`inv quality` does that when given no --url)") -> list[str]:
+    """Why this server cannot be measured (empty: it can). Each reason ends with ``how`` to start it instead."""
     cfg = cache_config(metrics_text)
-    how = "start it with the quality overlay (`inv quality` does that when given no --url)"
     if not cfg:
         return [f"the server's /metrics has no vllm:cache_config_info, so its cache settings cannot be verified; {how}"]
     out = []
