@@ -13,12 +13,13 @@ two overheads a config cannot tell are hardware/gpus.toml [overheads], calibrate
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rig.capacity import cards, pages, report, shape  # noqa: E402
+from rig.capacity import cards, pages, report, shape, weights  # noqa: E402
 from rig.plan import resolve  # noqa: E402
 
 PUBLISHED = [  # (figure, knobs, what is compared, published value)
@@ -60,6 +61,16 @@ def calibrate() -> None:
     print(f"runtime_bytes = {base.requested_bytes:,} - {base.weights_bytes:,} - {mid:,} = {runtime:,}")
     print(f"193,298 tokens with PREFIX_CACHE=1 = {n_pc} blocks: {n - n_pc} blocks fewer = {(n - n_pc) * bb:,} B, "
           f"prefix_cache_seat_bytes = that / 64 seats = {seat:,}")
+    # The figures docs/plan.md discusses beside the fit: the MTP layer, align mode alone, keep_16bit.
+    s = shape.real_shape()
+    w = weights.count(s)
+    print(f"weights with the MTP layer (SPEC=mtp loads it): {w.checkpoint:,} B (MTP {w.mtp:,} B)")
+    none, align = (pages.pool(s, "fp8", "float16", mid, 150_000, 0, pc).reported_tokens for pc in (False, True))
+    print(f"align mode alone (PREFIX_CACHE=1's second state block, same {mid:,} KV bytes): {none:,} -> "
+          f"{align:,} tokens, {none - align:,} fewer")
+    int4 = weights.count(dataclasses.replace(s, quant=dataclasses.replace(s.quant, keep_16bit=())))
+    print(f"in_proj_a/b as int4 (a config.json without the shape file's keep_16bit): "
+          f"{w.checkpoint - int4.checkpoint:,} B less")
 
 
 def main() -> int:
