@@ -6,6 +6,12 @@ everything outside the markers is hand-written. ``name`` is a key of ``GENERATOR
 of README.md and docs/*.md the block sits, so a block added to any doc is checked without
 registering the doc anywhere. A test fails when a committed doc differs from what ``inv docs``
 would write, and when a marker names no generator, so the reference cannot drift.
+
+One block is written by a run, not by code: ``inv quality``'s section of docs/quality.md
+(``rig.quality.report``'s ``<!-- rig:quality:begin ... -->`` markers). It names the result JSON it
+was generated from, kept beside the doc; ``quality_problems`` regenerates it from that file. Any
+other HTML comment mentioning "generated" or "rig:" is a marker nothing checks: ``unknown_markers``
+names it.
 """
 
 from __future__ import annotations
@@ -117,12 +123,76 @@ def stale(text: str, doc: str = "doc") -> list[str]:
     return [name for name, start, end in blocks(text, doc) if text[start:end] != GENERATORS[name]() + "\n"]
 
 
+_COMMENT = re.compile(r"<!--.*?-->", re.S)
+
+
+def known_markers() -> set[str]:
+    """The HTML comments of a doc that something here checks (the quality section's are exact strings)."""
+    from rig.quality import report
+
+    return {report.BEGIN, report.END}
+
+
+def unknown_markers(text: str) -> list[str]:
+    """HTML comments that mention "generated" or "rig:" but are no marker this module checks."""
+    bad = []
+    for m in _COMMENT.finditer(text):
+        comment = m.group(0)
+        if "generated" not in comment.lower() and "rig:" not in comment.lower():
+            continue
+        if comment in known_markers():
+            continue
+        begin = _BEGIN.fullmatch(comment + "\n")
+        if begin and begin.group("name") in GENERATORS:
+            continue
+        end = re.fullmatch(r"<!-- END GENERATED: (?P<name>[^\n]+?) -->", comment)
+        if end and end.group("name") in GENERATORS:
+            continue
+        bad.append(comment)
+    return bad
+
+
+def quality_docs() -> list[Path]:
+    """README.md and every docs/*.md that holds an ``inv quality`` section."""
+    from rig.quality import report
+
+    candidates = [paths.ROOT / "README.md", *sorted(paths.DOCS.glob("*.md"))]
+    return [p for p in candidates if report.BEGIN in p.read_text()]
+
+
+def quality_section(doc: Path) -> tuple[str, str]:
+    """(the committed ``inv quality`` section, the section regenerated from the result it names);
+    DocgenError when it names none, or the file is missing."""
+    import json
+
+    from rig.quality import report
+
+    text = doc.read_text()
+    section = report.section_of(text)
+    if section is None:
+        raise DocgenError(f"{doc.name}: '{report.BEGIN}' has no '{report.END}' after it")
+    source = report.source_of(section)
+    if source is None:
+        raise DocgenError(f"{doc.name}: the `inv quality` section names no source (a 'Source: [`{report.RUNS}/"
+                          "<run>.json`](...)' line): regenerate it with `inv quality` and commit the result JSON it "
+                          f"keeps in {report.RUNS}/")
+    path = doc.parent / source
+    if not path.is_file():
+        raise DocgenError(f"{doc.name}: the `inv quality` section's source {source} does not exist: commit the "
+                          f"result JSON `inv quality` kept there, or regenerate the section")
+    return section, report.markdown(json.loads(path.read_text()), source)
+
+
 def write_all() -> list[str]:
-    """Regenerate every generated block of every doc; returns the docs that changed."""
+    """Regenerate every generated block of every doc, and each ``inv quality`` section from the result it
+    names; returns the docs that changed."""
     changed = []
-    for path in documents():
+    for path in sorted({*documents(), *quality_docs()}):
         old = path.read_text()
         new = render(old, path.name)
+        if path in quality_docs():
+            section, fresh = quality_section(path)
+            new = new.replace(section, fresh, 1)
         if new != old:
             path.write_text(new)
             changed.append(path.relative_to(paths.ROOT).as_posix())
