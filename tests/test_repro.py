@@ -1,5 +1,6 @@
 """`inv repro`: the verdict over two fingerprints, its order, the CLI's input errors, and `inv repro --check`
-on this checkout (it passes) and on an altered copy of a golden plan (it fails naming the plan)."""
+on this checkout (it passes, offline and, slow, with the digest across two CPU server starts) and on an altered
+copy of a golden plan (it fails naming the plan)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from rig import fingerprint, golden, paths
-from rig.quality import gates
+from rig.quality import digest, gates
 from rig.repro import check, diff
 
 
@@ -128,9 +130,13 @@ def test_the_quality_gates_refuse_a_reference_of_another_engine_but_not_of_anoth
 
 
 def test_a_real_fingerprint_compares_identical_with_itself_and_names_its_parts():
+    from rig.envlock import all_locks, lock_file
+
     fp = fingerprint.collect()
     keys = set(diff.leaves(fp))
     assert {"rig.sha", "rig.changes", "packages.torch", "locks.cpu", "host.cpus", "gpus.count"} <= keys
+    # every lock file is hashed, gpu-py312.txt (what a Python 3.12 GPU host installs) included
+    assert set(fp["locks"]) == {lock_file(env, py).stem for env, py in all_locks()} >= {"cpu", "gpu", "gpu-py312"}
     assert all(diff.rule(k).pattern != "*" for k in keys), "collect() writes a key the verdict does not know"
     assert diff.compare(fp, json.loads(json.dumps(fp))).verdict == "identical"
 
@@ -138,9 +144,9 @@ def test_a_real_fingerprint_compares_identical_with_itself_and_names_its_parts()
 # ---- the command line
 
 
-def _inv(*argv: str, cwd=paths.ROOT) -> subprocess.CompletedProcess:
+def _inv(*argv: str, cwd=paths.ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "invoke", *argv], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +196,8 @@ def test_cli_exit_codes_and_bad_input(tasks_ns, tmp_path, capsys):
     assert _run(tasks_ns, "repro") == 2
     assert "give A" in capsys.readouterr().err
     assert _run(tasks_ns, "repro", "--check", "-a", str(a)) == 2
+    assert _run(tasks_ns, "repro", "--offline", "-a", str(a)) == 2
+    assert "--offline goes with --check" in capsys.readouterr().err
 
 
 def test_this_host_now_against_its_own_saved_fingerprint(tasks_ns, tmp_path, capsys):
@@ -203,16 +211,46 @@ def test_this_host_now_against_its_own_saved_fingerprint(tasks_ns, tmp_path, cap
 
 
 def test_repro_check_passes_on_this_checkout(tmp_path):
-    """The CI reproducibility check, as a command: locks, the patch series on a pristine wheel, golden plans."""
-    r = _inv("repro", "--check", "--report-dir", str(tmp_path))
+    """The CI reproducibility check, as a command, offline: locks, the patch series on a pristine wheel, golden
+    plans; the digest check (it starts servers) reports skip with the reason."""
+    r = _inv("repro", "--check", "--offline", "--report-dir", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("locks", "patches", "golden"):
         assert f"rig: repro check {name:<8} ok" in r.stdout, r.stdout
     assert "kernels  skip not yet: needs the kernels issue" in r.stdout
+    assert "digest   skip skipped (--offline): the greedy digest check starts two CPU servers" in r.stdout
     [report] = tmp_path.glob("repro-check-*.json")
     doc = json.loads(report.read_text())
     assert doc["passed"] is True and [c["status"] for c in doc["checks"]] == ["pass"] * 3 + ["skip"] * 2
     assert not list(tmp_path.glob(".*partial"))
+
+
+def _digests(*texts: list[str]) -> list[dict]:
+    prompts = ["In Oslo, the", "In Wien ist"]
+    return [{"digest": digest.digest(prompts, t), "prompts": 2, "max_tokens": 32, "texts": t} for t in texts]
+
+
+def test_the_digest_verdict_names_the_first_prompt_whose_text_moved():
+    same = check.compare_digests(_digests(["a", "b"], ["a", "b"]), "plan p, model m")
+    assert same.status == "pass" and "is identical across 2 server starts (plan p, model m)" in same.line
+    assert same.details[1].split(":")[1] == same.details[2].split(":")[1]
+    moved = check.compare_digests(_digests(["a", "b"], ["a", "c"]), "plan p, model m")
+    assert moved.status == "fail" and "differs across 2 server starts" in moved.line
+    assert moved.details[-1] == "prompt 2: 'b' vs 'c'"
+
+
+@pytest.mark.slow
+def test_repro_check_digest_is_identical_across_two_cpu_server_starts(tmp_path):
+    """The whole check as CI runs it: two starts of one CPU plan with the trained control, one verdict."""
+    r = _inv("repro", "--check", "--report-dir", str(tmp_path), timeout=1800)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("rig: repro check digest"))
+    assert "digest   ok   the tiny battery's greedy digest" in line and "identical across 2 server starts" in line
+    [report] = tmp_path.glob("repro-check-*.json")
+    [dig] = [c for c in json.loads(report.read_text())["checks"] if c["name"] == "digest"]
+    starts = [d for d in dig["details"] if d.startswith("start ")]
+    assert len(starts) == 2 and starts[0].split(": ", 1)[1] == starts[1].split(": ", 1)[1]
+    assert all(Path(d.split(": ", 1)[1]).is_file() for d in dig["details"] if d.startswith("server log: "))
 
 
 def test_repro_check_fails_naming_an_altered_golden_plan(tmp_path):
@@ -225,7 +263,7 @@ def test_repro_check_fails_naming_an_altered_golden_plan(tmp_path):
                                                                                 "fresh resolution"]
     (plans / golden.path("batch", (), "cpu").name).unlink()
     assert "batch__cpu.json missing" in check.check_golden(plans).details
-    r = _inv("repro", "--check", "--golden-dir", str(plans), "--report-dir", str(tmp_path / "report"))
+    r = _inv("repro", "--check", "--offline", "--golden-dir", str(plans), "--report-dir", str(tmp_path / "report"))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "rig: repro check golden   FAIL" in r.stdout and victim.name in r.stdout
     assert "rig: repro check FAILED" in r.stdout

@@ -1,4 +1,4 @@
-"""`inv repro -a A [-b B]`: may two results be compared? `inv repro --check`: the offline reproducibility checks.
+"""`inv repro -a A [-b B]`: may two results be compared? `inv repro --check`: the reproducibility checks.
 
 A and B are flags, not positionals: invoke has no optional positional arguments (one without a default is
 required, which would make `inv repro --check` ask for A).
@@ -14,8 +14,9 @@ from invoke import Exit, task
 HELP = {
     "a": "fingerprint JSON, result.json or results run folder (e.g. one from another host)",
     "b": "the same kinds of thing; default: this host now, fingerprinted with A's plan (docs/reproducibility.md)",
-    "check": "run the offline reproducibility checks (locks, patch series, golden plans) instead; exit 1 on a "
-             "failure; writes a JSON report under .rig/results/",
+    "check": "run the reproducibility checks (locks, patch series, golden plans, the greedy digest across two CPU "
+             "server starts) instead; exit 1 on a failure; writes a JSON report under .rig/results/",
+    "offline": "with --check: skip the digest check, the one that starts servers (minutes); it reports skip",
     "golden_dir": "with --check: compare the golden plans in this folder instead of tests/golden/plans",
     "report_dir": "with --check: write the JSON report into this folder (default: .rig/results/)",
     "save": "write B's fingerprint (this host's, with A's plan when A is given) to this file",
@@ -28,10 +29,12 @@ def _err(msg: str) -> Exit:
     return Exit(f"rig: error: {msg}", code=2)
 
 
-def _check(golden_dir: str, report_dir: str) -> None:
+def _check(golden_dir: str, report_dir: str, offline: bool) -> None:
     from rig.repro import check as checks
 
-    results = checks.run(Path(golden_dir) if golden_dir else None)
+    if not offline:
+        print("rig: repro check: the digest check starts two CPU servers (minutes; --offline skips it)", flush=True)
+    results = checks.run(Path(golden_dir) if golden_dir else None, offline=offline)
     for r in results:
         print(f"rig: repro check {r.name:<8} {MARK[r.status]} {r.line}", flush=True)
         for d in r.details if r.status == "fail" else []:
@@ -67,12 +70,14 @@ def _save(fp: dict, dest: str) -> None:
 
 
 @task(help=HELP, positional=[])
-def repro(c, a="", b="", check=False, golden_dir="", report_dir="", save="", json_=False):
+def repro(c, a="", b="", check=False, offline=False, golden_dir="", report_dir="", save="", json_=False):
     """Compare two fingerprints (verdict: identical / comparable / not comparable; exit 1 when not comparable)."""
     if check:
         if a or b:
             raise _err("--check takes no A or B; run `inv repro -a A [-b B]` to compare fingerprints")
-        return _check(golden_dir, report_dir)
+        return _check(golden_dir, report_dir, offline)
+    if offline:
+        raise _err("--offline goes with --check (`inv repro --check --offline`: the checks that start no server)")
     from rig import fingerprint
     from rig.repro import diff, inputs
 

