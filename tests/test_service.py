@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import shlex
 import subprocess
@@ -40,10 +41,14 @@ def test_unit_and_compose_come_from_the_plan(tmp_path):
     assert svc["volumes"] == [f"{paths.ROOT}:/rig"]
 
 
-def test_verify_without_a_live_server_checks_install_pins_patches_model():
-    r = subprocess.run([str(Path(sys.executable).with_name("inv")), "verify", "--no-live"], cwd=paths.ROOT,
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+def test_verify_without_a_live_server_checks_install_pins_patches_model_capacity(tmp_path):
+    r = subprocess.run([str(Path(sys.executable).with_name("inv")), "verify", "--no-live", "--report-dir",
+                        str(tmp_path)], cwd=paths.ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stdout + r.stderr
-    for row in ("install", "pins", "patches", "model"):
+    for row in ("install", "pins", "patches", "model", "capacity"):
         assert row in r.stdout
-    assert "FAIL" not in r.stdout and "patches applied" in r.stdout
+    assert "FAIL" not in r.stdout and "patches applied" in r.stdout and "no others" in r.stdout
+    [report] = tmp_path.glob("verify-*.json")
+    doc = json.loads(report.read_text())
+    assert doc["passed"] is True and [x["status"] for x in doc["rows"]] == ["pass"] * 5

@@ -24,30 +24,36 @@ def test(c, args="", fast=False, gpu=False):
 
 @task(iterable=["overlay", "set"], help={"profile": "profile whose server is checked live",
                                          "overlay": "overlay (repeatable)", "set": "KNOB=value (repeatable)",
-                                         "no_live": "skip starting a server",
+                                         "no_live": "offline rows only: start no server",
                                          "running": "check the server `inv serve` recorded instead of starting one",
                                          "url": "check a server rig did not start, at this base URL",
-                                         "key_file": "with --url: its API key file (default: the plan's)"})
-def verify(c, profile="batch", overlay=None, set=None, no_live=False, running=False, url="", key_file=""):
-    """Check install, pins, patches, model and a live server (or --running / --url); exit 1 on the first failure."""
-    from functools import partial
+                                         "key_file": "with --url: its API key file (default: the plan's)",
+                                         "report_dir": "write the JSON report here (default: .rig/results/)"})
+def verify(c, profile="batch", overlay=None, set=None, no_live=False, running=False, url="", key_file="",
+           report_dir=""):
+    """Check the environment against the lock, pins, patches, model, capacity, then a live server (one it starts,
+    --running or --url): every row runs; exit 1 when any failed; a JSON report under .rig/results/."""
+    from pathlib import Path
 
     from rig import verify as v
     from rig.cli.common import plan_from_args, read_key
 
+    if sum(map(bool, (no_live, running, url))) > 1:
+        raise Exit("rig: error: --no-live, --running and --url each pick the server to check; give one of them",
+                   code=2)
     plan = plan_from_args(profile, overlay, set, "")
-    server = None
+    mode = v.Mode("offline") if no_live else v.Mode("start")
     if running:
         from rig.running import RunningError, find
 
         try:  # bad input (nothing recorded) is exit 2 before any check runs
-            find()
+            mode = v.Mode("running", record=find())
         except RunningError as e:
             raise Exit(f"rig: error: {e}", code=2) from None
-        server = v.check_recorded
     elif url:
-        server = partial(v.check_foreign, url, read_key(key_file, plan))
-    if not v.run(plan, live=not no_live, server=server):
+        mode = v.Mode("url", url=url, key=read_key(key_file, plan))
+    ok, _ = v.run(plan, mode, Path(report_dir) if report_dir else None)
+    if not ok:
         raise Exit(code=1)
 
 
