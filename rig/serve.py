@@ -267,7 +267,7 @@ def start(plan: Plan, echo: bool = False, log_path: Path | None = None, ready_ti
 
 
 def run_foreground(plan: Plan) -> int:
-    """`inv serve`: start, print where it is, stay up until Ctrl-C / SIGTERM, then stop the whole tree."""
+    """`inv serve`: start, print where it is, stay up until Ctrl-C / SIGTERM / SIGHUP, then stop the whole tree."""
     if plan.platform == "cpu":
         print("rig: no CUDA GPU here: serving on vLLM's CPU backend with the tiny hybrid model "
               f"({plan.model}) — the same profile ({plan.profile}), scaled to this host", flush=True)
@@ -279,7 +279,10 @@ def run_foreground(plan: Plan) -> int:
         stopping["sig"] = signum
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    # SIGHUP too: a closed terminal would otherwise end serve alone, leaving vLLM (its own process
+    # group, not the terminal's foreground) running and holding the GPU, with a record that looks live.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     server = None
     record = None
     try:

@@ -234,11 +234,11 @@ def test_a_pool_on_a_card_the_overheads_were_not_fitted_on_is_called_an_estimate
 
 
 def test_the_log_reader_takes_the_last_report_and_none_for_a_missing_line():
-    from rig.capacity import logged
+    from rig import enginelog
 
     log = ("INFO Setting attention block size to 800 tokens to ensure that attention page size is >= mamba page size.\n"
            "INFO Padding mamba page size by 0.25% to ensure that mamba page size and attention page size are exactly "
            "equal.\nINFO GPU KV cache size: 1,000 tokens\nINFO Using FLASH_ATTN attention backend out of potential "
            "backends\nINFO GPU KV cache size: 223,821 tokens\n")
-    assert logged.read(log) == logged.Logged(223_821, 800, 0.25, "FLASH_ATTN")
-    assert logged.read("INFO CPU KV cache size: 9 tokens") == logged.Logged(9, None, None, None)
+    assert enginelog.parse(log) == enginelog.EngineLog(223_821, 800, 0.25, "FLASH_ATTN")
+    assert enginelog.parse("INFO CPU KV cache size: 9 tokens") == enginelog.EngineLog(9, None, None, None)

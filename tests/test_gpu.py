@@ -125,13 +125,13 @@ def _metric(server, name: str) -> float:
 
 
 def test_ready_on_cuda_and_records_what_vllm_chose(gpu_server):
-    from rig import paths
-    from rig.capacity import cards, logged, report
+    from rig import enginelog, paths
+    from rig.capacity import cards, report
     from rig.fingerprint import collect
 
     server, plan, info = gpu_server
     log = server.log_path.read_text(errors="replace")
-    seen = logged.read(log)
+    seen = enginelog.parse(log)
     assert seen.pool_tokens, "no KV pool line in the server's log"
     record = {**info, "plan_digest": plan.digest, "argv": plan.argv,
               "attention_backend": seen.attention_backend, "kv_pool_tokens": seen.pool_tokens,

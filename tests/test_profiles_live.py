@@ -195,6 +195,38 @@ def test_inv_serve_tools_off_prefix_cache_on_then_sigterm_leaves_no_process(tmp_
             proc.kill()
 
 
+def test_a_closed_terminal_sighup_stops_the_whole_tree_and_removes_the_record(tmp_path_factory):
+    """SIGHUP (the terminal closed) is a stop like SIGTERM: without it serve died alone and vLLM, in a
+    process group of its own, ran on with a record that still looked live."""
+    tmp_path = tmp_path_factory.mktemp("hup")  # short: vLLM's IPC socket paths live under the state folder
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "cache").symlink_to(paths.cache_dir())  # the shell's compile cache: a warm start
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RIG_STATE_DIR": str(state),
+           "RIG_MODELS_DIR": str(paths.models_dir())}
+    cmd = [str(Path(sys.executable).with_name("inv")), "serve", "--profile", "batch", "--set", f"PORT={free_port()}",
+           "--set", f"API_KEY_FILE={tmp_path / 'key'}", "--set", "KV_MEM=512M"]
+    proc = subprocess.Popen(cmd, cwd=paths.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    try:
+        lines: list[str] = []
+        while not (lines and lines[-1].startswith("rig: ready")):
+            line = proc.stdout.readline()
+            assert line, "inv serve exited before it was ready:\n" + "".join(lines[-30:])
+            lines.append(line)
+        assert list((state / "servers").glob("*.json"))
+        tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        assert len(tree) >= 3
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=90) == 0
+        time.sleep(1)
+        assert not [p for p in tree if _alive(p)]
+        assert not list((state / "servers").glob("*.json")), "serve left its record behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_a_crash_during_start_prints_the_log_tail_and_exits_nonzero(tmp_path):
     model = tmp_path / "broken-model"
     model.mkdir()

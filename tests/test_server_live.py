@@ -114,11 +114,12 @@ def test_a_live_cpu_server_stays_within_what_preflight_reserves_for_it(batch_ser
 def test_capacity_plan_matches_what_the_live_cpu_server_built(batch_server):
     """The planner's block size, page padding and pool (vLLM's pages and pool code, no server) equal what
     the running server logged for the same plan: the restated hybrid block-size rule included."""
-    from rig.capacity import logged, report
+    from rig import enginelog
+    from rig.capacity import report
     from rig.plan import resolve
 
     pool = report.for_plan(resolve("batch", (), "cpu", environ={}), None).budget.pool
-    seen = logged.read(batch_server.log_path.read_text(errors="replace"))
+    seen = enginelog.read(batch_server.log_path)
     assert None not in (seen.pool_tokens, seen.block_size, seen.padding_pct), \
         f"the server did not log its pool, block size and page padding: {seen}"
     assert seen.pool_tokens == pool.reported_tokens
