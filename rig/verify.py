@@ -410,7 +410,8 @@ def _block_size_from_metrics(t: Target) -> int | None:
 
 
 def compare_pool(plan: Plan, logged, block_size: int | None, predicted) -> str:
-    """The engine's logged pool, block size and backend against the planner's prediction; raises on a mismatch."""
+    """The engine's logged pool, concurrency, block size and backend against the planner's prediction; raises on a
+    mismatch."""
     if predicted is None:
         raise Skip("the planner does not predict this plan's pool (KV_MEM unset on CPU, or KV=kvarn)")
     if logged.pool_tokens is None:
@@ -422,6 +423,9 @@ def compare_pool(plan: Plan, logged, block_size: int | None, predicted) -> str:
     if (exact and logged.pool_tokens != predicted.reported_tokens) or off > ESTIMATE_TOLERANCE:
         problems.append(f"pool {logged.pool_tokens:,} tokens, the planner predicted {predicted.reported_tokens:,} "
                         f"({off:+.1%}{'' if exact else ', an estimate from GPU_UTIL'})")
+    conc, planned = logged.max_concurrency, predicted.max_concurrency
+    if conc is not None and (exact and conc != round(planned, 2) or abs(conc - planned) > ESTIMATE_TOLERANCE * planned):
+        problems.append(f"max concurrency {conc:.2f}x at MAX_LEN, the planner predicted {planned:.2f}x")
     if block_size is not None and block_size != predicted.block_size:
         problems.append(f"block size {block_size}, the planner predicted {predicted.block_size}")
     want = EXPECTED_BACKEND.get(plan.platform)
@@ -431,7 +435,9 @@ def compare_pool(plan: Plan, logged, block_size: int | None, predicted) -> str:
         raise RuntimeError(f"{'; '.join(problems)}: the capacity planner and this vLLM disagree; `inv plan` shows "
                            "the prediction (rig/capacity is what to fix, or set KV_MEM for an exact pool)")
     backend = logged.attention_backend or "not logged"
+    seats = "not logged" if conc is None else f"{conc:.2f}x"
     return (f"pool {logged.pool_tokens:,} tokens {'=' if exact else '~'} planned {predicted.reported_tokens:,}; "
+            f"concurrency at MAX_LEN {seats} {'=' if exact else '~'} planned {planned:.2f}x; "
             f"block {block_size if block_size is not None else 'not reported'} = planned {predicted.block_size}; "
             f"attention backend {backend}")
 

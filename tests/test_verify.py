@@ -106,12 +106,15 @@ def test_the_engine_log_is_read_back_and_compared_with_the_planner():
     plan = resolve("batch", (), "cpu", environ={})
     pool = report.for_plan(plan, None).budget.pool
     logged = enginelog.parse(BATCH_LOG)
-    assert logged == enginelog.EngineLog(586_388, 64, 91.04, "CPU_ATTN")
+    assert logged == enginelog.EngineLog(586_388, 64, 91.04, "CPU_ATTN", 17.90)
     assert verify.compare_pool(plan, logged, logged.block_size, pool).startswith(
-        "pool 586,388 tokens = planned 586,388; block 64 = planned 64; attention backend CPU_ATTN")
-    other = enginelog.parse(BATCH_LOG.replace("586,388", "586,000").replace("CPU_ATTN", "TORCH_SDPA"))
-    want = (r"pool 586,000 tokens, the planner predicted 586,388 .*; block size 32, the planner predicted 64; "
-            r"attention backend TORCH_SDPA, expected CPU_ATTN")
+        "pool 586,388 tokens = planned 586,388; concurrency at MAX_LEN 17.90x = planned 17.90x; block 64 = planned 64; "
+        "attention backend CPU_ATTN")
+    other = enginelog.parse(BATCH_LOG.replace("586,388", "586,000").replace("CPU_ATTN", "TORCH_SDPA")
+                            .replace("17.90x", "16.00x"))
+    want = (r"pool 586,000 tokens, the planner predicted 586,388 .*; max concurrency 16.00x at MAX_LEN, the "
+            r"planner predicted 17.90x; block size 32, the planner predicted 64; attention backend TORCH_SDPA, "
+            r"expected CPU_ATTN")
     with pytest.raises(RuntimeError, match=want):
         verify.compare_pool(plan, other, 32, pool)
     with pytest.raises(RuntimeError, match="no 'KV cache size: N tokens' line"):

@@ -6,6 +6,7 @@ is not the planner's); `--url` runs every row after one failed and skips the eng
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,7 @@ def test_every_live_row_passes_on_a_working_server(started):
     log = rows["engine log"].detail
     print(f"\nengine log row: {log}")
     assert log.startswith("pool ") and " = planned " in log and "attention backend CPU_ATTN" in log
+    assert re.search(r"concurrency at MAX_LEN [\d.]+x = planned [\d.]+x", log), log
 
 
 def test_each_live_check_fails_on_what_is_wrong(started, plan, tmp_path, tiny_model):
