@@ -241,6 +241,18 @@ def check_capacity(plan: Plan) -> str:
     return f"plan {plan.profile} ({plan.digest[:12]}) accepted by vLLM's parser; {pool} ({where}){warn}"
 
 
+def check_kernels(plan: Plan) -> str:
+    """The kernels the plan needs are built from current sources: serve's own preflight check, as a row."""
+    from rig.serve import PreflightError
+    from rig.serve import check_kernels as preflight_kernels
+
+    try:
+        preflight_kernels(plan)
+    except PreflightError as e:
+        raise RuntimeError(str(e)) from None
+    return "the plan needs no kernel of rig's own (kernels/ builds none yet)"
+
+
 # ---- live rows
 
 
@@ -520,7 +532,8 @@ def offline_checks(plan: Plan) -> list[tuple[str, Callable[[], str]]]:
     from rig.bootstrap import detect_env
 
     return [("install", lambda: check_installed(detect_env())), ("pins", check_pins), ("patches", check_patches),
-            ("model", lambda: check_model(plan)), ("capacity", lambda: check_capacity(plan))]
+            ("model", lambda: check_model(plan)), ("kernels", lambda: check_kernels(plan)),
+            ("capacity", lambda: check_capacity(plan))]
 
 
 def rows_for(plan: Plan, mode: Mode, con: Console) -> list[Row]:

@@ -46,9 +46,9 @@ def test_verify_without_a_live_server_checks_install_pins_patches_model_capacity
                         str(tmp_path)], cwd=paths.ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stdout + r.stderr
-    for row in ("install", "pins", "patches", "model", "capacity"):
+    for row in ("install", "pins", "patches", "model", "kernels", "capacity"):
         assert row in r.stdout
     assert "FAIL" not in r.stdout and "patches applied" in r.stdout and "no others" in r.stdout
     [report] = tmp_path.glob("verify-*.json")
     doc = json.loads(report.read_text())
-    assert doc["passed"] is True and [x["status"] for x in doc["rows"]] == ["pass"] * 5
+    assert doc["passed"] is True and [x["status"] for x in doc["rows"]] == ["pass"] * 6

@@ -132,7 +132,8 @@ def test_every_row_runs_after_a_failure_and_the_report_is_written(tiny_model, tm
     doc = json.loads(path.read_text())
     assert ok is False and doc["passed"] is False and doc["mode"] == "offline"
     assert [(r["name"], r["status"]) for r in doc["rows"]] == [
-        ("install", "pass"), ("pins", "pass"), ("patches", "pass"), ("model", "fail"), ("capacity", "pass")]
+        ("install", "pass"), ("pins", "pass"), ("patches", "pass"), ("model", "fail"), ("kernels", "pass"),
+        ("capacity", "pass")]
     assert "tokenizer.json differs" in doc["rows"][3]["detail"] and "rebuild it" in doc["rows"][3]["detail"]
     assert doc["fingerprint"]["plan"]["sha256"] == plan.digest
     assert not list((tmp_path / "report").glob(".*partial"))
@@ -147,3 +148,12 @@ def test_cli_refuses_two_servers_at_once(tmp_path):
     r = subprocess.run([sys.executable, "-m", "invoke", "verify", "--no-live", "--url", "http://127.0.0.1:1"],
                        cwd=paths.ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "give one of them" in r.stderr, r.stdout + r.stderr
+
+
+def test_a_plan_whose_kernels_are_not_built_fails_the_kernels_row():
+    """KV=kvarn needs rig's KVarN kernels, which kernels/ does not build yet: the row names them and the way out."""
+    plan = resolve("kvarn", (), "gpu", environ={})
+    assert plan.kernels
+    with pytest.raises(RuntimeError, match="are not built in this checkout.*KV=fp8"):
+        verify.check_kernels(plan)
+    assert "needs no kernel" in verify.check_kernels(resolve("batch", (), "gpu", environ={}))

@@ -111,6 +111,7 @@ def test_url_runs_every_row_after_a_failure_and_reports_them(started, plan, task
     doc = json.loads(report.read_text())
     status = {r["name"]: r["status"] for r in doc["rows"]}
     assert doc["passed"] is False and doc["mode"] == "url"
-    assert list(status) == ["install", "pins", "patches", "model", "capacity", "server", *(n for n, _ in verify.LIVE)]
+    assert list(status) == ["install", "pins", "patches", "model", "kernels", "capacity", "server",
+                            *(n for n, _ in verify.LIVE)]
     assert status["models"] == status["answer"] == status["tokenize"] == "fail"
     assert status["auth"] == status["unknown model"] == status["metrics"] == "pass"
