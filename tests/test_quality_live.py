@@ -157,8 +157,11 @@ def test_a_server_killed_mid_battery_leaves_a_partial_result(tiny_model, session
     def log(line: str) -> None:
         print(line)
         if line.startswith("quality: digest") and not killed:
+            # the battery's server by its port: the session's other servers are children of pytest too
+            port = f"--port {plan.knobs['PORT']}"
             [leader] = [p for p in psutil.Process().children(recursive=True)
-                        if "vllm" in " ".join(p.cmdline()) and os.getpgid(p.pid) == p.pid]
+                        if "vllm" in " ".join(p.cmdline()) and port in " ".join(p.cmdline())
+                        and os.getpgid(p.pid) == p.pid]
             os.killpg(leader.pid, signal.SIGKILL)
             killed.append(leader.pid)
 
