@@ -151,11 +151,20 @@ def measure(parts: list[Component], alive: Callable[[], str | None], log: Callab
             log(f"quality: {said}  ({time.monotonic() - t:.0f} s)")
         except FAILURES as e:
             problems.append(f"{name} failed: {_one_line(e)}")
-        if gone := alive():
+        if gone := (_settled(alive) if problems else alive()):
             problems.append(f"{gone} (checked after {name})")
         if problems:
             return Measured(found, problems, [n for n, _ in parts[i + 1:]])
     return Measured(found, [], [])
+
+
+def _settled(alive: Callable[[], str | None], wait_s: float = 5.0) -> str | None:
+    """After a failed component: a server that is dying (its sockets already reset) may not have exited yet;
+    give it a few seconds, so a death is reported as the death and not only as the part that failed."""
+    deadline = time.monotonic() + wait_s
+    while (gone := alive()) is None and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return gone
 
 
 def liveness(server, record, client: Client) -> Callable[[], str | None]:
