@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One GPU host session, step by step: what docs/gpu.md's runs were made with.
+#
+#   bash bench/scripts/gpu_session.sh STEP [STEP ...]
+#
+# Run in the checkout on the GPU host. The environment is either rig's own (pixi / bootstrap.py)
+# or a carried one: SITE (default /tmp/site) installed from CARRY (default /tmp/c) by `install`.
+# Everything worth keeping is copied under OUT (default .rig/gpu-session). Steps:
+#   install    join and check the carried pieces (bench/scripts/gpu_carry.py), install into SITE
+#   kernels    inv kernels.build for this GPU's arch, the kernels' GPU tests, the prefill-attention bench
+#   tier       the GPU tier of the suite (tests/test_gpu.py), RIG_GPU_SETS as set by the caller
+#   fixture    build the real-shape benchmark fixture (random weights; CPU work, ~19 GB on disk)
+#   real       serve the batch profile on the real shape under the gpu24 overlay, verify it live
+#              (pool and concurrency vs the planner), one ladder cell, stop
+# Nothing here is specific to one GPU model: the arch comes from NVML.
+set -uo pipefail
+SITE=${SITE:-/tmp/site}
+CARRY=${CARRY:-/tmp/c}
+OUT=${OUT:-.rig/gpu-session}
+FIXTURE=${FIXTURE:-fixture:qwen3.5-27b-class}
+REAL_SETS=${REAL_SETS-ENFORCE_EAGER=1}
+REAL_OVERLAYS=${REAL_OVERLAYS-gpu24}
+mkdir -p "$OUT"
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python3}
+inv() { "$PY" -u -m invoke "$@"; }
+stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
+arch() { [ -n "${ARCH:-}" ] && { echo "$ARCH"; return; }; "$PY" -c "import pynvml as n; n.nvmlInit(); a,b=n.nvmlDeviceGetCudaComputeCapability(n.nvmlDeviceGetHandleByIndex(0)); print(f'sm{a}{b}')"; }
+keep_triton_cache() { tar -C "$HOME" -czf "$OUT/triton-cache.tgz" .triton 2>/dev/null || true; }
+
+step_install() {
+  stamp install
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/nvidia-smi.csv"
+  /usr/bin/time -f "install: %e s wall" sh "$CARRY/install.sh" "$SITE" 2>&1 | tail -3 | tee "$OUT/install.log"
+  "$PY" -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1 | tee -a "$OUT/install.log"
+}
+
+step_kernels() {
+  local a; a=$(arch)
+  stamp "kernels ($a)"
+  inv kernels.build --arch "$a" 2>&1 | tee "$OUT/kernels-build.log"
+  "$PY" -m pytest -q -m gpu tests/test_kernel_int8_attn.py tests/test_kernels_build.py -rA -p no:cacheprovider 2>&1 | tee "$OUT/kernels-pytest.log" | tail -25
+  "$PY" bench/scripts/prefill_attn_bench.py --json "$OUT/prefill_attn.json" 2>&1 | tee "$OUT/prefill_attn.txt"
+  keep_triton_cache
+}
+
+step_tier() {
+  stamp "tier (RIG_GPU_SETS=${RIG_GPU_SETS:-})"
+  "$PY" -m pytest -q -m gpu tests/test_gpu.py -s -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tier-pytest.log" | tail -30
+  cp -f "${RIG_STATE_DIR:-.rig}/results/gpu-tier.json" "$OUT/" 2>/dev/null
+  keep_triton_cache
+}
+
+step_fixture() {
+  stamp "fixture $FIXTURE"
+  /usr/bin/time -f "fixture: %e s wall" inv model.fixture --shape "${FIXTURE#fixture:}" 2>&1 | tail -3 | tee "$OUT/fixture.log"
+}
+
+step_real() {
+  local a sets=() s log
+  a=$(arch)
+  local ovl=""; for s in $REAL_OVERLAYS; do ovl="$ovl --overlay $s"; done
+  stamp "real shape $FIXTURE on $a, overlays: $REAL_OVERLAYS, sets: $REAL_SETS"
+  for s in MODEL="$FIXTURE" SERVED_NAME=${SERVED:-fixture-qwen3.5-27b-class} GPU_ARCH="$a" $REAL_SETS; do sets+=(--set "$s"); done
+  inv plan --profile batch $ovl "${sets[@]}" 2>&1 | tee "$OUT/real-plan.txt"
+  inv plan --profile batch $ovl "${sets[@]}" --json > "$OUT/real-plan.json" 2>/dev/null
+  local t0=$SECONDS
+  inv serve --profile batch $ovl "${sets[@]}" > "$OUT/real-serve.log" 2>&1 &
+  local pid=$!
+  until grep -q -E "rig: ready|serving at|Ctrl-C" "$OUT/real-serve.log" 2>/dev/null; do
+    kill -0 $pid 2>/dev/null || { stamp "serve exited"; tail -30 "$OUT/real-serve.log"; return 1; }
+    sleep 2
+  done
+  echo "real: ready after $((SECONDS - t0)) s (serve's own timing is in real-serve.log)" | tee "$OUT/real-ready.txt"
+  inv verify --running --report-dir "$OUT" 2>&1 | tee "$OUT/real-verify.txt" | tail -30
+  inv bench --running --protocol bench/cells/ladder.toml --no-progress 2>&1 | tee "$OUT/real-bench.log" | tail -20
+  kill -TERM $pid; wait $pid  # SIGINT is ignored by a background job of a non-interactive shell
+  for d in logs results; do cp -r "${RIG_STATE_DIR:-.rig}/$d" "$OUT/real-$d" 2>/dev/null; done
+  keep_triton_cache
+}
+
+for step in "$@"; do "step_$step"; done
