@@ -39,6 +39,28 @@ def start_server(plan: Plan, log_dir: Path) -> VllmServer:
     return start(plan, log_path=log_dir / f"vllm-{plan.profile}-{plan.knobs['PORT']}.log")
 
 
+def _run_task(argv: list[str]) -> int:
+    """Run `inv <argv>` in this process through invoke's own Program (as a user's shell would); its exit code."""
+    import sys
+
+    from invoke import Program
+
+    sys.path.insert(0, str(paths.ROOT))
+    import tasks
+
+    try:
+        Program(namespace=tasks.ns).run(["inv", *argv], exit=True)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+@pytest.fixture(scope="session")
+def inv():
+    """``inv("verify", "--no-live")`` -> exit code: the CLI in-process, output captured by pytest's capsys."""
+    return lambda *argv: _run_task(list(argv))
+
+
 @pytest.fixture(scope="session")
 def session_tmp(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("rig")

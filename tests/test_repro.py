@@ -149,62 +149,44 @@ def _inv(*argv: str, cwd=paths.ROOT, timeout: float = 300) -> subprocess.Complet
                           timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def tasks_ns():
-    sys.path.insert(0, str(paths.ROOT))
-    import tasks
-
-    return tasks.ns
-
-
-def _run(ns, *argv: str) -> int:
-    from invoke import Program
-
-    try:
-        Program(namespace=ns).run(["inv", *argv], exit=True)
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
-
-
-def test_cli_exit_codes_and_bad_input(tasks_ns, tmp_path, capsys):
+def test_cli_exit_codes_and_bad_input(inv, tmp_path, capsys):
     a, b, c = tmp_path / "a.json", tmp_path / "b", tmp_path / "c.json"
     a.write_text(json.dumps(_fp()))
     b.mkdir()
     (b / "result.json").write_text(json.dumps({"kind": "bench", "fingerprint": _fp(host__cpus=4)}))
     c.write_text(json.dumps(_fp(packages__vllm="0.27.1")))
-    assert _run(tasks_ns, "repro", "-a", str(a), "-b", str(b)) == 0
+    assert inv("repro", "-a", str(a), "-b", str(b)) == 0
     out = capsys.readouterr().out
     assert "host.cpus" in out and "rig: repro: comparable" in out
-    assert _run(tasks_ns, "repro", "-a", str(a), "-b", str(a)) == 0
+    assert inv("repro", "-a", str(a), "-b", str(a)) == 0
     assert "rig: repro: identical" in capsys.readouterr().out
-    assert _run(tasks_ns, "repro", "-a", str(a), "-b", str(c), "--json") == 1
+    assert inv("repro", "-a", str(a), "-b", str(c), "--json") == 1
     assert json.loads(capsys.readouterr().out)["verdict"] == "not comparable"
 
     plan = golden.path("batch", (), "cpu")
-    assert _run(tasks_ns, "repro", "-a", str(plan), "-b", str(a)) == 2
+    assert inv("repro", "-a", str(plan), "-b", str(a)) == 2
     err = capsys.readouterr().err
     assert f"rig: error: {plan}: not a fingerprint" in err and "expected a fingerprint JSON" in err
-    assert _run(tasks_ns, "repro", "-a", str(tmp_path / "nope.json")) == 2
+    assert inv("repro", "-a", str(tmp_path / "nope.json")) == 2
     assert "nope.json: no such file" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    assert _run(tasks_ns, "repro", "-a", str(tmp_path / "empty")) == 2
+    assert inv("repro", "-a", str(tmp_path / "empty")) == 2
     assert "the folder has no result.json" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{not json")
-    assert _run(tasks_ns, "repro", "-a", str(tmp_path / "bad.json")) == 2
+    assert inv("repro", "-a", str(tmp_path / "bad.json")) == 2
     assert "bad.json: not JSON" in capsys.readouterr().err
-    assert _run(tasks_ns, "repro") == 2
+    assert inv("repro") == 2
     assert "give A" in capsys.readouterr().err
-    assert _run(tasks_ns, "repro", "--check", "-a", str(a)) == 2
-    assert _run(tasks_ns, "repro", "--offline", "-a", str(a)) == 2
+    assert inv("repro", "--check", "-a", str(a)) == 2
+    assert inv("repro", "--offline", "-a", str(a)) == 2
     assert "--offline goes with --check" in capsys.readouterr().err
 
 
-def test_this_host_now_against_its_own_saved_fingerprint(tasks_ns, tmp_path, capsys):
+def test_this_host_now_against_its_own_saved_fingerprint(inv, tmp_path, capsys):
     saved = tmp_path / "here.json"
-    assert _run(tasks_ns, "repro", "--save", str(saved)) == 0
+    assert inv("repro", "--save", str(saved)) == 0
     capsys.readouterr()
-    code = _run(tasks_ns, "repro", "-a", str(saved))
+    code = inv("repro", "-a", str(saved))
     out = capsys.readouterr().out
     # the same host a moment later: identical, unless the checkout changed in between (then rig.changes says so)
     assert (code, "rig: repro: identical") == (0, out.strip().splitlines()[-1]) or "rig.changes" in out, out

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from rig import enginelog, paths, verify
+from rig import enginelog, verify
 from rig.plan import Plan, resolve
 from rig.quality import controls
 from rig.server import free_port
@@ -76,37 +75,19 @@ def test_each_live_check_fails_on_what_is_wrong(started, plan, tmp_path, tiny_mo
         verify.check_engine_log(verify.Target(target.url, target.key, plan, None))
 
 
-@pytest.fixture(scope="module")
-def tasks_ns():
-    sys.path.insert(0, str(paths.ROOT))
-    import tasks
-
-    return tasks.ns
-
-
-def _verify(ns, *argv: str) -> int:
-    from invoke import Program
-
-    try:
-        Program(namespace=ns).run(["inv", "verify", *argv], exit=True)
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
-
-
-def test_url_runs_every_row_after_a_failure_and_reports_them(started, plan, tasks_ns, tmp_path, monkeypatch):
+def test_url_runs_every_row_after_a_failure_and_reports_them(started, plan, inv, tmp_path, monkeypatch):
     """--url: the engine log is skipped with why; a wrong served name fails its rows, every later row still runs."""
     _, target = started
     monkeypatch.setenv("COLUMNS", "300")
     common = ["--url", target.url, "--key-file", plan.api_key_file, "--set", f"MODEL={plan.model}"]
-    assert _verify(tasks_ns, *common, "--set", "SERVED_NAME=rig-trained", "--report-dir", str(tmp_path / "a")) == 0
+    assert inv("verify", *common, "--set", "SERVED_NAME=rig-trained", "--report-dir", str(tmp_path / "a")) == 0
     [report] = (tmp_path / "a").glob("verify-*.json")
     rows = {r["name"]: r for r in json.loads(report.read_text())["rows"]}
     assert rows["server"]["detail"].startswith(f"server at {target.url} (not started by rig: vLLM 0.28.")
     assert rows["engine log"]["status"] == "skip" and "(--url)" in rows["engine log"]["detail"]
     assert {n for n, r in rows.items() if r["status"] != "pass"} == {"engine log"}
 
-    assert _verify(tasks_ns, *common, "--set", "SERVED_NAME=rig-elsewhere", "--report-dir", str(tmp_path / "b")) == 1
+    assert inv("verify", *common, "--set", "SERVED_NAME=rig-elsewhere", "--report-dir", str(tmp_path / "b")) == 1
     [report] = (tmp_path / "b").glob("verify-*.json")
     doc = json.loads(report.read_text())
     status = {r["name"]: r["status"] for r in doc["rows"]}
