@@ -267,7 +267,9 @@ def needs(k: Knobs) -> tuple[dict[str, str], list[str], list[str]]:
         patches.append("mamba-align-checkpoint-order")
     if k.KV == "kvarn":
         kernels.append("kvarn")
-    if k.PREFILL_ATTN == "int8":
+    if k.PREFILL_ATTN == "int8":  # fresh prefills on rig's int8-QK kernel (patch prefill-attn-int8)
+        env["VLLM_RIG_PREFILL_ATTN"] = "int8"
+        patches.append("prefill-attn-int8")
         kernels.append("int8-prefill-attn")
     return env, sorted(patches), kernels
 

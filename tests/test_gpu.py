@@ -224,3 +224,177 @@ def test_key_required_everywhere_but_health(gpu_server):
         r = httpx.request(method, f"{server.url}{path}", timeout=30)
         assert r.status_code == 401, f"{method} {path} without the key: {r.status_code}"
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+# --------------------------------------------------------------------------------------------
+# PREFILL_ATTN=int8: fresh prefills on rig's int8-QK kernel (patch prefill-attn-int8). A second
+# server with the module server's plan plus PREFILL_ATTN=int8; the same requests to both.
+# Needs the kernel's build on this host (`inv kernels.build --arch <this GPU's>`): serve's
+# preflight refuses the plan without it, naming the command.
+
+# Prompt logprobs of the two servers agree within this (nats, max over every prompt token). The
+# kernel's relative error on the attention output is bounded by 2e-2 (kernels/int8-prefill-attn
+# tests); the tiny hybrid's one attention layer in four adds that to a residual stream that three
+# GDN layers and the MLPs carry unchanged, and its random-weight logits are small (near-uniform
+# over 2,048 tokens), so a logprob moves by far less than 0.05. On fp8 KV (the module's plan)
+# the reference is itself approximate: FA3 computes it on fp8 Q/K/V.
+INT8_LOGPROB_TOL = 0.05
+# Greedy texts may part only where the reference's top two tokens were this close (nats): if
+# every logprob moves by at most INT8_LOGPROB_TOL, a flip needs a gap under twice that.
+INT8_GREEDY_GAP_TOL = 2 * INT8_LOGPROB_TOL
+INT8_NAMES = ["Ana", "Bruno", "Chiara", "Dmitri", "Eun-ji", "Farid"]
+
+
+def _int8_prompts(topic: str) -> list[str]:
+    """Distinct prompts of a few hundred tokens (distinct from their first block: no prefix-cache hit)."""
+    return [f"Report {n} on {topic}, by {who}. " + " ".join(
+        f"{who} counted {i + 3 * n} {topic} near the old harbour and wrote the number in a blue notebook."
+        for i in range(24)) for n, who in enumerate(INT8_NAMES)]
+
+
+@pytest.fixture(scope="module")
+def int8_server(gpu_server, tmp_path_factory) -> Iterator:
+    from rig.plan import resolve
+    from rig.serve import start
+
+    _, base_plan, info = gpu_server
+    tmp = tmp_path_factory.mktemp("gpu-int8")
+    plan = resolve("batch", platform="gpu", environ={}, sets={**_sets(tmp, info["arch"]), "PREFILL_ATTN": "int8"})
+    own = ("PORT", "API_KEY_FILE", "PREFILL_ATTN")
+    assert {k: v for k, v in plan.knobs.items() if k not in own} == \
+        {k: v for k, v in base_plan.knobs.items() if k not in own}
+    assert plan.env["VLLM_RIG_PREFILL_ATTN"] == "int8" and "prefill-attn-int8" in plan.patches
+    server = start(plan, log_path=tmp / "vllm-gpu-int8.log")
+    pids = server.pids()
+    try:
+        yield server
+    finally:
+        server.stop()
+        time.sleep(1)
+        leftover = [p for p in pids if Path(f"/proc/{p}").exists()
+                    and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"]
+        assert not leftover, f"processes survived the int8 server's stop: {leftover}"
+
+
+def _greedy(server, prompt: str) -> tuple[list[str], list[dict[str, float]]]:
+    """32 greedy tokens (as token ids) and the top-5 logprobs at each."""
+    r = _post(server, "/v1/completions", {"model": server.served_name, "prompt": prompt, "max_tokens": 32,
+                                          "temperature": 0, "ignore_eos": True, "logprobs": 5,
+                                          "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    return lp["tokens"], lp["top_logprobs"]
+
+
+def _prompt_logprobs(server, prompt: str) -> list[float]:
+    """The logprob of every prompt token after the first (prompt_logprobs skip the prefix cache)."""
+    ids = _post(server, "/tokenize", {"model": server.served_name, "prompt": prompt}).json()["tokens"]
+    r = _post(server, "/v1/completions", {"model": server.served_name, "prompt": prompt, "max_tokens": 1,
+                                          "temperature": 0, "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    rows = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(rows) == len(ids) and rows[0] is None
+    return [row[str(i)]["logprob"] for i, row in zip(ids[1:], rows[1:], strict=True)]
+
+
+def test_int8_greedy_agrees_with_auto(gpu_server, int8_server):
+    base = gpu_server[0]
+    same, parted = 0, []
+    for prompt in _int8_prompts("herons"):
+        ref_tokens, ref_top = _greedy(base, prompt)
+        tokens, _ = _greedy(int8_server, prompt)
+        if tokens == ref_tokens:
+            same += 1
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(ref_tokens, tokens, strict=True)) if a != b)
+        gap = ref_top[i][ref_tokens[i]] - ref_top[i].get(tokens[i], float("-inf"))
+        parted.append((i, round(gap, 4)))
+    print(json.dumps({"int8_greedy_identical": same, "of": len(INT8_NAMES), "parted_at_token_gap": parted}))
+    assert all(gap <= INT8_GREEDY_GAP_TOL for _, gap in parted), \
+        f"greedy text parted where auto's top two were further apart than {INT8_GREEDY_GAP_TOL}: {parted}"
+
+
+def test_int8_prompt_logprobs_agree_with_auto(gpu_server, int8_server):
+    base = gpu_server[0]
+    diffs = []
+    for prompt in _int8_prompts("lanterns"):
+        ref, got = _prompt_logprobs(base, prompt), _prompt_logprobs(int8_server, prompt)
+        assert len(ref) == len(got) > 200, len(ref)
+        diffs += [abs(a - b) for a, b in zip(ref, got, strict=True)]
+    worst, mean = max(diffs), sum(diffs) / len(diffs)
+    print(json.dumps({"int8_prompt_logprob_max_abs_diff": worst, "mean_abs_diff": mean, "tokens": len(diffs)}))
+    assert worst <= INT8_LOGPROB_TOL, f"prompt logprobs differ by up to {worst} (tolerance {INT8_LOGPROB_TOL})"
+
+
+def _jit_functions() -> list[str]:
+    """Names of the Triton kernels in kernels/int8-prefill-attn/attn.py (loaded here by path)."""
+    import importlib.util
+
+    import triton
+
+    from rig import paths
+
+    spec = importlib.util.spec_from_file_location("rig_gpu_tier_int8_attn",
+                                                  paths.ROOT / "kernels" / "int8-prefill-attn" / "attn.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return [n for n, f in vars(mod).items() if isinstance(f, triton.runtime.JITFunction)]
+
+
+def test_int8_server_routes_prefills_and_compiled_before_traffic(int8_server):
+    import re
+
+    r = _post(int8_server, "/v1/completions", {"model": int8_server.served_name, "prompt": _int8_prompts("owls")[0],
+                                               "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    log = int8_server.log_path.read_text(errors="replace")
+    assert "rig int8 prefill attention: warmed up for" in log
+    assert re.search(r"rig int8 prefill attention: routed \d+ tokens on \S+", log), "no routing line in the log"
+    kernels = _jit_functions()
+    late = [ln for ln in log.splitlines() if "during inference" in ln and any(k in ln for k in kernels)]
+    assert not late, f"the int8 kernel compiled during inference (no warm-up covered it): {late}"
+
+
+def test_int8_mixed_batch_leaves_decodes_to_vllm(int8_server):
+    """A prompt arriving while another request decodes: the step holds a decode and a fresh prefill."""
+    long_body = {"model": int8_server.served_name, "prompt": _int8_prompts("kites")[0], "max_tokens": 256,
+                 "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{int8_server.url}/v1/completions", json=long_body, headers=int8_server.headers(),
+                      timeout=300) as stream:
+        lines = stream.iter_lines()
+        while not next(lines).startswith("data: "):  # its first token: it is decoding now
+            pass
+        r = _post(int8_server, "/v1/completions", {"model": int8_server.served_name,
+                                                    "prompt": _int8_prompts("kites")[1], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        for _ in lines:
+            pass
+    log = int8_server.log_path.read_text(errors="replace")
+    assert "left to vLLM's kernel" in log, "no mixed batch was split (the route's once-per-process line is missing)"
+
+
+def test_route_stays_out_of_cuda_graph_capture():
+    """A captured graph is replayed for decode batches: the route must leave a capture to vLLM."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    from rig import paths
+
+    spec = importlib.util.spec_from_file_location("rig_gpu_tier_int8_route",
+                                                  paths.ROOT / "kernels" / "int8-prefill-attn" / "vllm_route.py")
+    route = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(route)
+    dev = torch.device("cuda")
+    qsl = torch.tensor([0, 64], dtype=torch.int32, device=dev)
+    plan = route.StepPlan(first=0, last=1, token_start=0, token_end=64, max_seqlen=64, rest_max_query_len=0,
+                          rest_max_seq_len=0, query_start_loc=qsl)
+    impl = SimpleNamespace(rig_prefill_reason=None, scale=1 / 16)
+    q = torch.randn(64, 8, 256, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(64, 4, 256, device=dev, dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    graph, routed = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        routed.append(plan.route(impl, SimpleNamespace(layer_name="l"), q, kv, kv, out))
+    assert routed == [False] and route.stats() == {"fallback:CUDA graph capture": 1}

@@ -245,6 +245,7 @@ def test_knobs_default_off_in_the_patched_envs(tmp_path, wheels, monkeypatch):
     assert envs.VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX == "2"  # a string: parsed by MambaManager with the knob on
     assert envs.VLLM_MARLIN_INT8_INCLUDE_RE == "" and envs.VLLM_MARLIN_INT8_EXCLUDE_RE == "lm_head|mtp"
     assert envs.VLLM_TOOL_CHOICE_SHARED_ENGINE is False
+    assert envs.VLLM_RIG_PREFILL_ATTN == "" and envs.VLLM_RIG_KERNELS_DIR == ""
     monkeypatch.setenv("VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS", "1")
     assert envs.VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS is True
 
@@ -262,6 +263,8 @@ COMPILE_FACTORS = {
     "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS": ("1", False),  # the scheduler's KV block pool only
     "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX": ("3", False),
     "VLLM_TOOL_CHOICE_SHARED_ENGINE": ("1", False),  # the API server's request parser only
+    "VLLM_RIG_PREFILL_ATTN": ("int8", False),  # inside the attention op, which compiled graphs call opaquely
+    "VLLM_RIG_KERNELS_DIR": ("/opt/rig/kernels", False),
 }
 NOT_A_FACTOR = re.compile(r"(?:is not a|[Nn]either knob is a) compile factor")
 
