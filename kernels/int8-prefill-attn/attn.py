@@ -1,0 +1,364 @@
+"""Causal varlen prefill attention with int8 QKᵀ (the SageAttention idea), in Triton.
+
+Q and K arrive quantized to int8 per 64-token block (K smoothed first: see reference.py, which
+specifies the pre-pass to the bit); this kernel multiplies them on int8 tensor cores into int32,
+scales each score by its row's and column's block scale, runs an online softmax in fp32 (in
+base 2: log2(e) is folded into the row scale so the exponential is one ``exp2``), rounds P to
+v's dtype and accumulates P·V in fp32. Tiles wholly above the causal diagonal are never visited.
+
+Why int8 only for QKᵀ: the scores tolerate 8-bit inputs once K's shared per-channel offset is
+removed, while P·V feeds the output directly and stays in 16 bit. On an RTX 3090 a 16-bit MMA
+with fp32 accumulation runs at half of GA102's fp16 rate and int8 at four times that; QKᵀ is
+half of the attention's matmul work.
+
+Entry points (the kernel folder's contract): ``int8_prefill_attention`` (pre-pass + attention),
+``attn_int8`` (attention on already-quantized inputs), ``warmup`` (compile before traffic) and
+``aot_specs`` (what the build machinery compiles ahead of time). This file is loaded by path
+(``rig.kernels.load("int8-prefill-attn")``): the folder name has hyphens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+KERNEL = "int8-prefill-attn"
+HERE = Path(__file__).resolve().parent
+LOG2E = 1.4426950408889634
+
+
+def _load_sibling(name: str):
+    """Import ``<name>.py`` from this folder under a package-unique module name.
+
+    The folder is not a package (its name has hyphens) and two kernels may each have a
+    ``reference.py``: a plain ``import reference`` would pick whichever came first on sys.path.
+    """
+    mod_name = f"rig_kernel_{KERNEL.replace('-', '_')}_{name}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+reference = _load_sibling("reference")
+
+
+class Tiles(NamedTuple):
+    """One launch configuration: query rows and keys per tile, warps, software-pipeline stages.
+
+    A NamedTuple, not a dataclass: this file is loaded by path, and a dataclass needs its module
+    registered in sys.modules, which a loader may not do.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Per architecture family and head_dim. sm86 (RTX 3090): 100 KB of shared memory per SM and
+# 64K registers a SM; a [64, 256] fp32 accumulator is 64 KB of registers, so 64 query rows and
+# 8 warps (4 warps spill); keys 64 at a time, two stages: 73,984 bytes of shared memory and 255
+# registers without spills for head_dim 256 (ptxas -v on triton.compile's PTX for sm_86; not
+# timed on an sm86 card yet). sm90 (H100/H200): 228 KB of shared memory and wgmma.
+TILES: dict[tuple[str, int], Tiles] = {
+    ("sm86", 64): Tiles(64, 64, 4, 2),
+    ("sm86", 128): Tiles(64, 64, 4, 2),
+    ("sm86", 256): Tiles(64, 64, 8, 2),
+    ("sm90", 64): Tiles(128, 64, 8, 3),
+    ("sm90", 128): Tiles(128, 64, 8, 3),
+    ("sm90", 256): Tiles(128, 64, 8, 3),
+}
+HEAD_DIMS = (64, 128, 256)
+AOT_ARCHS = {"sm86": 86, "sm90": 90}
+AOT_HEAD_DIM = 256
+AOT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MODEL_HEADS = (24, 4)
+"""(query heads, kv heads) of the served model's attention layers: the shapes compiled ahead of time."""
+
+
+def arch_family(capability: tuple[int, int]) -> str:
+    """The TILES family a compute capability runs with: Hopper/Blackwell datacenter → sm90,
+    everything else (Ampere, Ada, GeForce Blackwell: ~100 KB of shared memory) → sm86."""
+    return "sm90" if capability[0] in (9, 10) else "sm86"
+
+
+def tiles_for(family: str, head_dim: int) -> Tiles:
+    """The launch configuration for an arch family and head_dim, or a ValueError naming both."""
+    try:
+        return TILES[(family, head_dim)]
+    except KeyError:
+        raise ValueError(f"{KERNEL}: no tile configuration for {family} with head_dim {head_dim}"
+                         f" (head_dim must be one of {HEAD_DIMS})") from None
+
+
+@triton.jit
+def _attend_tile(acc, l_i, m_i, q, q_row, k_base, ks_base, v_base, start_n, offs_m, offs_n, offs_d, seq_len,
+                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIAG: tl.constexpr):
+    """One BLOCK_N slice of keys for the tile's rows: int8 scores, online softmax, P·V.
+
+    ``DIAG`` tiles straddle the causal diagonal (and possibly the sequence's end) and are masked;
+    all others are wholly below it and skip the masks.
+    """
+    cols = start_n + offs_n
+    k_ptrs = k_base + cols[:, None] * (NUM_KV_HEADS * HEAD_DIM) + offs_d[None, :]
+    v_ptrs = v_base + cols[:, None] * (NUM_KV_HEADS * HEAD_DIM) + offs_d[None, :]
+    if DIAG:
+        col_ok = cols < seq_len
+        k = tl.load(k_ptrs, mask=col_ok[:, None], other=0)
+        k_scale = tl.load(ks_base + cols * NUM_KV_HEADS, mask=col_ok, other=0.0)
+        v = tl.load(v_ptrs, mask=col_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        k_scale = tl.load(ks_base + cols * NUM_KV_HEADS)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * q_row[:, None] * k_scale[None, :]
+    if DIAG:
+        s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_fwd(Q, QS, K, KS, V, OUT, CU_SEQLENS, qk_scale,
+              NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_M query rows of one head of one sequence (grid: tiles × heads × seqs).
+
+    Tiles run heaviest first (the last rows of a causal sequence see the most keys), so the
+    short tiles fill the tail of the launch. ``qk_scale`` is sm_scale·log2(e).
+    """
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    seq_start = tl.load(CU_SEQLENS + seq).to(tl.int64)
+    seq_len = (tl.load(CU_SEQLENS + seq + 1) - seq_start).to(tl.int32)
+    m_start = tile * BLOCK_M
+    if m_start >= seq_len:
+        return
+    kv_head = head // (NUM_Q_HEADS // NUM_KV_HEADS)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seq_len
+    rows = seq_start + offs_m
+    q = tl.load(Q + (rows[:, None] * NUM_Q_HEADS + head) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0)
+    q_row = tl.load(QS + rows * NUM_Q_HEADS + head, mask=row_ok, other=0.0) * qk_scale
+    kv_off = seq_start * NUM_KV_HEADS + kv_head
+    k_base = K + kv_off * HEAD_DIM
+    v_base = V + kv_off * HEAD_DIM
+    ks_base = KS + kv_off
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for start_n in range(0, m_start, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_row, k_base, ks_base, v_base, start_n, offs_m, offs_n,
+                                     offs_d, seq_len, NUM_KV_HEADS, HEAD_DIM, False)
+    for start_n in range(m_start, tl.minimum(m_start + BLOCK_M, seq_len), BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_row, k_base, ks_base, v_base, start_n, offs_m, offs_n,
+                                     offs_d, seq_len, NUM_KV_HEADS, HEAD_DIM, True)
+    out = acc / l_i[:, None]
+    o_ptrs = OUT + (rows[:, None] * NUM_Q_HEADS + head) * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (CPU tensors are then allowed: Triton runs the kernel in numpy)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_quantized(q_i8: torch.Tensor, q_scale: torch.Tensor, k_i8: torch.Tensor, k_scale: torch.Tensor,
+                     v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
+    """Refuse inputs the kernel would misread, naming the tensor (the kernel itself cannot check)."""
+    reference.check_varlen(q_i8, k_i8, v, cu_seqlens, max_seqlen)
+    expected = {"q_i8": (q_i8, torch.int8, q_i8.shape), "k_i8": (k_i8, torch.int8, k_i8.shape),
+                "q_scale": (q_scale, torch.float32, q_i8.shape[:2]),
+                "k_scale": (k_scale, torch.float32, k_i8.shape[:2])}
+    for name, (t, dtype, shape) in expected.items():
+        if t.dtype != dtype or t.shape != shape:
+            raise ValueError(f"{name} must be {dtype} {tuple(shape)}; got {t.dtype} {tuple(t.shape)}")
+    if v.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"v must be bfloat16 or float16; got {v.dtype}")
+    if q_i8.shape[2] not in HEAD_DIMS:
+        raise ValueError(f"head_dim {q_i8.shape[2]} is not supported (one of {HEAD_DIMS})")
+    for name, t in (("q_i8", q_i8), ("q_scale", q_scale), ("k_i8", k_i8), ("k_scale", k_scale), ("v", v),
+                    ("cu_seqlens", cu_seqlens)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernel derives its strides from the head counts)")
+        if not (t.is_cuda or _interpreting()):
+            raise ValueError(f"{name} is on {t.device}: the kernel runs on a CUDA device")
+
+
+def _family_of(device: torch.device) -> str:
+    """The TILES family of a tensor's device (sm86 under the CPU interpreter)."""
+    if device.type != "cuda":
+        return "sm86"
+    return arch_family(torch.cuda.get_device_capability(device))
+
+
+def attn_int8(q_i8: torch.Tensor, q_scale: torch.Tensor, k_i8: torch.Tensor, k_scale: torch.Tensor,
+              v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, sm_scale: float,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention on pre-quantized Q/K → [T, Hq, D] in v's dtype (written into ``out`` if given).
+
+    ``max_seqlen`` must be at least the longest sequence: rows past it are not computed.
+    """
+    _check_quantized(q_i8, q_scale, k_i8, k_scale, v, cu_seqlens, max_seqlen)
+    tokens, hq, head_dim = q_i8.shape
+    if out is None:
+        out = torch.empty(tokens, hq, head_dim, dtype=v.dtype, device=v.device)
+    elif out.shape != q_i8.shape or out.dtype != v.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {v.dtype} {tuple(q_i8.shape)}; got {out.dtype} {tuple(out.shape)}")
+    if tokens == 0:
+        return out
+    t = tiles_for(_family_of(v.device), head_dim)
+    grid = (triton.cdiv(int(max_seqlen), t.block_m), hq, cu_seqlens.numel() - 1)
+    with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
+        _attn_fwd[grid](q_i8, q_scale, k_i8, k_scale, v, out, cu_seqlens, float(sm_scale) * LOG2E,
+                        NUM_Q_HEADS=hq, NUM_KV_HEADS=k_i8.shape[1], HEAD_DIM=head_dim,
+                        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
+
+
+def _cuda_prepass() -> Callable | None:
+    """The CUDA pre-pass (smooth_quant.cu through rig.kernels.cubin) when its build exists, else None.
+
+    Looked up once; rig may not be importable (a kernel folder used on its own) and the build
+    may be missing or stale (``inv kernels.build`` not run): each means the torch pre-pass.
+    """
+    try:
+        from rig.kernels import cubin
+
+        return cubin.smooth_quant_or_none(KERNEL)
+    except ImportError:  # rig, or one of its dependencies, is not importable here
+        return None
+
+
+@functools.cache
+def prepass() -> Callable:
+    """The pre-pass this process uses: the CUDA build's, or the torch one with a one-time warning."""
+    cuda = _cuda_prepass()
+    if cuda is not None:
+        return cuda
+    warnings.warn(f"{KERNEL}: the CUDA pre-pass is not built (`inv kernels.build`); using the torch pre-pass "
+                  "from reference.py (same bytes, slower)", RuntimeWarning, stacklevel=2)
+    return reference.smooth_quant
+
+
+def int8_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           max_seqlen: int, sm_scale: float | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal varlen GQA prefill attention: smooth + quantize Q/K to int8 per block, then ``attn_int8``."""
+    reference.check_varlen(q, k, v, cu_seqlens, max_seqlen)
+    scale = reference.default_sm_scale(q.shape[2]) if sm_scale is None else sm_scale
+    q_i8, q_scale, k_i8, k_scale = prepass()(q, k, cu_seqlens, max_seqlen)
+    return attn_int8(q_i8, q_scale, k_i8, k_scale, v, cu_seqlens, max_seqlen, scale, out=out)
+
+
+def warmup(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+           device: torch.device | str) -> None:
+    """Compile (or load from Triton's cache) everything a model with these shapes needs.
+
+    Run before a server takes traffic: the kernel specialises on the head counts, head_dim and
+    v's dtype only (no length is a kernel argument), so one small run covers every request.
+    Two sequences, one of them longer than a tile, take both the masked and unmasked paths.
+    """
+    device = torch.device(device)
+    lens = [1, 2 * TILES[(_family_of(device), head_dim)].block_m + 3] if head_dim in HEAD_DIMS else [1]
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(sum(lens), num_q_heads, head_dim, generator=gen, device=device).to(dtype)
+    k = torch.randn(sum(lens), num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+    int8_prefill_attention(q, k, k.clone(), cu, max(lens))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _signature(dtype: str) -> dict[str, str]:
+    """The kernel's Triton signature for v/out of ``dtype`` ("bf16" or "fp16")."""
+    ptrs = {"Q": "*i8", "QS": "*fp32", "K": "*i8", "KS": "*fp32", "V": f"*{dtype}", "OUT": f"*{dtype}",
+            "CU_SEQLENS": "*i32"}
+    consts = {name: "constexpr" for name in ("NUM_Q_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "BLOCK_M", "BLOCK_N")}
+    return {**ptrs, "qk_scale": "fp32", **consts}
+
+
+def aot_specs(num_q_heads: int = MODEL_HEADS[0], num_kv_heads: int = MODEL_HEADS[1]) -> list[dict]:
+    """What the build machinery compiles ahead of time: head_dim 256 × {bf16, fp16} × {sm86, sm90}.
+
+    Each dict: ``fn``, ``signature``, ``constexprs`` and ``attrs`` (the 16-byte pointer alignment
+    the JIT assumes for torch's allocations, so the AOT artefact is the one the JIT would build),
+    ``options`` (num_warps, num_stages), ``arch`` ("sm86"/"sm90"), ``target`` (compute capability)
+    and a unique ``name``. Compile with ``triton.compile(ASTSource(fn, signature, constexprs,
+    attrs), target=GPUTarget("cuda", target, 32), options=options)``.
+    """
+    specs = []
+    names = list(_signature("bf16"))
+    pointer_attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, ty in _signature("bf16").items()
+                     if ty.startswith("*")}
+    for arch, target in AOT_ARCHS.items():
+        t = tiles_for(arch, AOT_HEAD_DIM)
+        for dname in AOT_DTYPES:
+            constexprs = {"NUM_Q_HEADS": num_q_heads, "NUM_KV_HEADS": num_kv_heads, "HEAD_DIM": AOT_HEAD_DIM,
+                          "BLOCK_M": t.block_m, "BLOCK_N": t.block_n}
+            specs.append({
+                "fn": _attn_fwd, "signature": _signature(dname), "constexprs": constexprs, "attrs": pointer_attrs,
+                "options": {"num_warps": t.num_warps, "num_stages": t.num_stages}, "arch": arch, "target": target,
+                "name": f"attn_int8_{arch}_d{AOT_HEAD_DIM}_{dname}_h{num_q_heads}x{num_kv_heads}",
+            })
+    return specs
+
+
+def _ptxas_usage(ptx: str, target: int) -> str:
+    """ptxas -v's register and spill line for ``ptx`` on sm_<target> (triton's bundled ptxas), or ''."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    found = get_ptxas(target)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        arch = f"sm_{target}a" if target == 90 else f"sm_{target}"
+        run = subprocess.run([getattr(found, "path", found), "-v", f"--gpu-name={arch}", str(src), "-o",
+                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+    lines = [ln.split("info    :")[-1].strip() for ln in run.stderr.splitlines() if "Used" in ln or "spill" in ln]
+    return "; ".join(lines)
+
+
+def aot_report() -> list[str]:
+    """Compile every ``aot_specs()`` entry for its target (no GPU needed) → one line each with the
+    shared memory Triton reserves and ptxas's registers/spills: what must fit an sm86 SM."""
+    from triton.backends.compiler import GPUTarget
+
+    lines = []
+    for s in aot_specs():
+        src = triton.compiler.ASTSource(s["fn"], s["signature"], s["constexprs"], s["attrs"])
+        compiled = triton.compile(src, target=GPUTarget("cuda", s["target"], 32), options=s["options"])
+        lines.append(f"{s['name']}: {s['options']}, shared {compiled.metadata.shared} bytes; "
+                     f"{_ptxas_usage(compiled.asm['ptx'], s['target'])}")
+    return lines
+
+
+if __name__ == "__main__":
+    print(f"triton {triton.__version__}")
+    print("\n".join(aot_report()))
