@@ -58,7 +58,9 @@ def load_kernel():
         return load(KERNEL)
     except ImportError:  # rig's dependencies (pydantic) absent: a bare GPU host with torch and triton only
         pass
-    name = "rig_kernel_int8_prefill_attn_attn"
+    name = "rig_kernel_int8_prefill_attn_attn"  # rig.kernels.module_name's, so one process loads it once
+    if name in sys.modules:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, ROOT / "kernels" / KERNEL / "attn.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
