@@ -2,13 +2,14 @@
 
 from invoke import Collection
 
-from rig.cli import bench, dev, env, model, patch, plan, quality, repro, serve
+from rig.cli import bench, dev, env, kernels, model, patch, plan, quality, repro, serve
 
 ns = Collection()
 ns.add_collection(env.ns)
 ns.add_collection(patch.ns)
 ns.add_collection(bench.ns)
 ns.add_collection(model.ns)
+ns.add_collection(kernels.ns)
 ns.add_task(serve.serve)
 ns.add_task(serve.service)
 ns.add_task(plan.plan)

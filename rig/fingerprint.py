@@ -149,6 +149,16 @@ def _model(plan: Any) -> dict[str, Any]:
     return out
 
 
+def _kernels(plan: Any | None) -> dict[str, Any]:
+    """rig's kernel builds a result rests on: per kernel, its manifest's input hash and each artefact's sha256
+    (``None`` when not built). With a plan, the kernels it needs (two plans without kernels compare equal
+    whatever was built on either host); without one, every kernel of the checkout."""
+    from rig.kernels import manifest, spec
+
+    names = list(plan.kernels) if plan is not None else spec.available()
+    return {name: manifest.artefact_hashes(name) for name in names}
+
+
 def collect(plan: Any | None = None) -> dict[str, Any]:
     """The fingerprint of this host and checkout (and of the plan, when given)."""
     fp: dict[str, Any] = {
@@ -162,6 +172,7 @@ def collect(plan: Any | None = None) -> dict[str, Any]:
         "locks": _lock_shas(),
         "patches": _patches(),
     }
+    fp["kernels"] = _kernels(plan)
     fp["gpus"], fp["gpu_probe"] = _gpu()
     if plan is not None:
         fp["plan"] = {"profile": plan.profile, "overlays": plan.overlays, "sha256": plan.digest,

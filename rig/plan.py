@@ -271,6 +271,10 @@ def needs(k: Knobs) -> tuple[dict[str, str], list[str], list[str]]:
         env["VLLM_RIG_PREFILL_ATTN"] = "int8"
         patches.append("prefill-attn-int8")
         kernels.append("int8-prefill-attn")
+    if kernels:  # where the server finds kernels/ and their builds (made absolute when it starts)
+        from rig.kernels import plan_env
+
+        env.update(plan_env())
     return env, sorted(patches), kernels
 
 

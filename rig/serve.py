@@ -154,10 +154,32 @@ def check_patches(plan: Plan) -> None:
         raise PreflightError(f"vLLM patches not applied: {', '.join(missing)}; run `inv patch.apply`")
 
 
-def check_kernels(plan: Plan) -> None:
-    if plan.kernels:
-        raise PreflightError(f"kernels {', '.join(plan.kernels)} are not built in this checkout (kernels/ has no "
-                             f"build of them yet); choose KV=fp8 / PREFILL_ATTN=auto")
+# The knob value that runs without each kernel: named when a kernel cannot be had at all.
+WITHOUT_KERNEL = {"kvarn": "KV=fp8", "int8-prefill-attn": "PREFILL_ATTN=auto"}
+
+
+def check_kernels(plan: Plan) -> list[str]:
+    """Every kernel the plan needs is built, fresh, for the plan's GPU_ARCH, its artefacts the recorded bytes.
+
+    Refused with every problem and the command that fixes it (a kernel this checkout does not have,
+    or has for other archs only, gets the knob value that runs without it instead). Returns one line
+    per kernel that passed.
+    """
+    from rig.kernels import manifest, spec
+
+    arch = plan.knobs["GPU_ARCH"]
+    errors, ok = [], []
+    for name in plan.kernels:
+        problems = manifest.problems(name, arch)
+        if not problems:
+            ok.append(f"{name}: built for {arch}, fresh, artefacts verified")
+        elif not spec.buildable(name, arch):
+            errors.append(f"kernel {name}: {problems[0]}; choose {WITHOUT_KERNEL.get(name, 'a plan without it')}")
+        else:
+            errors.append(f"kernel {name} ({arch}): {'; '.join(problems)}; run `inv kernels.build --arch {arch}`")
+    if errors:
+        raise PreflightError("\n".join(errors))
+    return ok
 
 
 def check_capacity(plan: Plan, dev: Device) -> None:
@@ -225,7 +247,9 @@ def server_for(plan: Plan, key: str, log_path: Path, echo: bool = False,
                argv: list[str] | None = None) -> VllmServer:
     """A VllmServer for a plan (or its device argv): the venv's vllm, caches in the project, the key in the env."""
     argv = [*vllm_command(), *(argv or plan.argv)[1:]]
-    env = {**paths.cache_env(), **plan.env, "VLLM_API_KEY": key}
+    from rig.kernels import server_env
+
+    env = {**paths.cache_env(), **server_env(plan.env), "VLLM_API_KEY": key}
     return VllmServer(argv=argv, env=env, log_path=log_path, host=connect_host(plan), port=plan.knobs["PORT"],
                       api_key=key, served_name=plan.served_name, echo=echo)
 

@@ -247,10 +247,10 @@ def check_kernels(plan: Plan) -> str:
     from rig.serve import check_kernels as preflight_kernels
 
     try:
-        preflight_kernels(plan)
+        ok = preflight_kernels(plan)
     except PreflightError as e:
         raise RuntimeError(str(e)) from None
-    return "the plan needs no kernel of rig's own (kernels/ builds none yet)"
+    return "; ".join(ok) if ok else "the plan needs no kernel of rig's own"
 
 
 # ---- live rows
