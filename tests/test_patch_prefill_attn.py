@@ -392,6 +392,10 @@ def test_plan_int8_on_gpu_needs_the_patch_and_sets_the_knob(tmp_path):
     assert PATCH in plan.patches and "int8-prefill-attn" in plan.kernels
     assert plan.env["VLLM_RIG_PREFILL_ATTN"] == "int8"
     assert PATCH in [p.name for p in patches.load_series().patches]  # what serve's preflight checks
+    from rig.kernels import server_env
+
+    kernels_dir = Path(server_env(plan.env)["VLLM_RIG_KERNELS_DIR"])  # as the server gets it
+    assert kernels_dir.is_absolute() and (kernels_dir / backend_utils.RIG_PREFILL_ROUTE).is_file()
     auto = resolve("batch", platform="gpu", environ={}, sets={"API_KEY_FILE": str(tmp_path / "key")})
     assert PATCH not in auto.patches and "VLLM_RIG_PREFILL_ATTN" not in auto.env
 
