@@ -121,6 +121,19 @@ def ensure_model(plan: Plan) -> Path:
     return folder
 
 
+def check_checkpoints(plan: Plan) -> None:
+    """A checkpoint folder with a committed manifest (models/manifests/) is hashed against it before a start:
+    a truncated or altered shard fails here, naming the file, instead of as a load error minutes later."""
+    from rig.models import fetch, manifest
+
+    try:
+        checks = fetch.preflight(plan)
+    except (manifest.ManifestError, manifest.VerifyError) as e:
+        raise PreflightError(f"{e}; move the folder away and run `inv model.fetch --profile {plan.profile}`") from None
+    for check in checks:
+        print(f"rig: {check.detail}", file=sys.stderr, flush=True)
+
+
 def ensure_api_key(plan: Plan) -> tuple[Path, str]:
     """Read the key file (mode 0600 required) or generate one; returns (path, key)."""
     path = Path(plan.api_key_file)
@@ -228,6 +241,7 @@ def preflight(plan: Plan) -> tuple[Device, Path, Path, str]:
     if port_in_use(port, connect_host(plan)):
         raise PreflightError(f"PORT={port} is in use: stop what listens there or set PORT to a free port")
     model = ensure_model(plan)
+    check_checkpoints(plan)
     check_host_memory(plan, model)
     key_path, key = ensure_api_key(plan)
     return dev, model, key_path, key

@@ -192,6 +192,7 @@ def manifest_problems(folder: Path) -> list[str]:
 def check_model(plan: Plan) -> str:
     """The model's files match its manifest (a tiny model that is absent is built, as serve would)."""
     from rig.capacity.report import model_folder
+    from rig.models import fetch
     from rig.models.tiny import MANIFEST
     from rig.serve import ensure_model
 
@@ -200,6 +201,11 @@ def check_model(plan: Plan) -> str:
         raise RuntimeError(f"{folder}: {', '.join(bad)} against its {MANIFEST}; rebuild it (delete the folder: "
                            "a tiny model is rebuilt on the next start) or re-download it")
     folder = ensure_model(plan)
+    if checks := fetch.preflight(plan):  # checkpoints with a committed sha256 manifest (models/manifests/)
+        detail = "; ".join(c.detail for c in checks)
+        if not all(c.verified for c in checks):
+            raise Skip(detail)
+        return detail
     if not (folder / MANIFEST).is_file():
         return f"model at {folder}: config.json present; no {MANIFEST}, so its files are not verified"
     count = len(json.loads((folder / MANIFEST).read_text()).get("files", {}))

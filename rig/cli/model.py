@@ -35,5 +35,88 @@ def fixture(c, shape="qwen3.5-27b-class", seed=0, out=""):
     print(f"{folder}  ({total / 2**30:.2f} GiB of weights; {fx.WARNING})")
 
 
+CHECKPOINT_HELP = {
+    "profile": "profile whose MODEL (and DRAFT_MODEL with SPEC=dflash2) it is (profiles/*.toml)",
+    "overlay": "overlay to apply (profiles/overlays/*.toml), repeatable",
+    "set": "KNOB=value, repeatable (e.g. MODEL=/data/Qwen3.8-27B-W4A16-AutoRound)",
+    "platform": "the plan's platform; default gpu (on cpu the plan serves a tiny model rig builds: nothing to fetch)",
+    "model": "a checkpoint by manifest name (models/manifests/NAME.toml) instead of a profile's",
+    "manifest": "a manifest file outside models/manifests/ instead of a profile's",
+    "out": "with --model/--manifest: the checkpoint folder; default .rig/models/NAME",
+}
+
+
+def _targets(profile, overlay, set, platform, model, manifest, out):
+    """The checkpoints a fetch/verify task names: --model/--manifest, else the profile's."""
+    from rig.cli.common import plan_from_args
+    from rig.models import fetch
+
+    if model or manifest:
+        return [fetch.named_target(model, manifest, out)]
+    return fetch.plan_targets(plan_from_args(profile, overlay, set, platform))
+
+
+@task(iterable=["overlay", "set"], help=CHECKPOINT_HELP)
+def fetch(c, profile="batch", overlay=None, set=None, platform="gpu", model="", manifest="", out=""):
+    """Download a checkpoint at its pinned commit (HF_ENDPOINT), check every sha256, rename into place."""
+    from rig.models import fetch as f
+
+    try:
+        for t in _targets(profile, overlay, set, platform, model, manifest, out):
+            print(f.fetch(t))
+    except f.ManifestError as e:
+        raise Exit(f"rig: error: {e}", code=2) from None
+    except f.FetchError as e:
+        raise Exit(f"rig: error: {e}", code=1) from None
+
+
+@task(iterable=["overlay", "set"], help={**CHECKPOINT_HELP, "out": "with --model/--manifest: the folder to check"})
+def verify(c, profile="batch", overlay=None, set=None, platform="gpu", model="", manifest="", out=""):
+    """Offline: hash every file of a checkpoint against its committed manifest (missing, altered, extra)."""
+    from rig.models import fetch as f
+    from rig.models.manifest import VerifyError
+
+    try:
+        targets = _targets(profile, overlay, set, platform, model, manifest, out)
+        failed = []
+        for t in targets:
+            try:
+                print(f.verify(t))
+            except VerifyError as e:
+                failed.append(str(e))
+    except f.ManifestError as e:
+        raise Exit(f"rig: error: {e}", code=2) from None
+    if failed:
+        raise Exit("\n".join(f"rig: error: {m}" for m in failed), code=1)
+
+
+MANIFEST_HELP = {
+    "folder": "a trusted local copy of the checkpoint",
+    "name": "checkpoint name (its folder name under .rig/models/); default: the folder's name",
+    "repo": "Hugging Face repository id (OWNER/NAME); default: the existing manifest's",
+    "revision": "the repository commit the copy is of (40 hex digits); default: the existing manifest's",
+    "description": "one line; default: the existing manifest's",
+    "out": "manifest file to write; default models/manifests/NAME.toml",
+}
+
+
+@task(help=MANIFEST_HELP)
+def manifest(c, folder, name="", repo="", revision="", description="", out=""):
+    """Write a sha256 manifest from a local folder (keeps an existing manifest's repo, revision, notes)."""
+    from pathlib import Path
+
+    from rig.models import manifest as mf
+
+    try:
+        path, m = mf.write_from_folder(Path(folder), name, repo, revision, description, Path(out) if out else None)
+    except mf.ManifestError as e:
+        raise Exit(f"rig: error: {e}", code=2) from None
+    print(f"{mf.where(path)}: {m.name}, {len(m.files)} files, {m.total_bytes:,} bytes"
+          f"{f', {m.repo} at {m.revision}' if m.repo and m.revision else ''}")
+
+
 ns = Collection("model")
 ns.add_task(fixture)
+ns.add_task(fetch)
+ns.add_task(verify)
+ns.add_task(manifest)
