@@ -1,4 +1,4 @@
-"""`inv model.fixture`: build a random-weight benchmark fixture of a real model's shape (models/*.toml)."""
+"""`inv model.*`: a random-weight fixture of a real shape, W4A16 with auto-round, fetch / verify / manifest."""
 
 from __future__ import annotations
 
@@ -33,6 +33,27 @@ def fixture(c, shape="qwen3.5-27b-class", seed=0, out=""):
         t = bar.add_task(f"fixture {spec.name}", total=total)
         folder = fx.build(spec, dest, progress=lambda done, _name: bar.update(t, completed=done))
     print(f"{folder}  ({total / 2**30:.2f} GiB of weights; {fx.WARNING})")
+
+
+QUANTIZE_HELP = {
+    "recipe": "recipe file, or the name of one in models/recipes/ (w4a16-rtn, w4a16-tiny-tuned, w4a16-autoround)",
+    "model": "16-bit checkpoint folder to quantize, or tiny:hybrid / tiny:dense",
+    "out": "folder to write (must not exist); written beside it as .<name>.partial and renamed when complete",
+}
+
+
+@task(help=QUANTIZE_HELP)
+def quantize(c, recipe, model, out):
+    """W4A16 with auto-round from a recipe (auto_round:auto_gptq, vLLM's INC path); prints its timing."""
+    from pathlib import Path
+
+    from rig.models import quantize as q
+
+    try:
+        folder = q.quantize(q.recipe_file(recipe), model, Path(out))
+    except q.QuantizeError as e:
+        raise Exit("\n".join(f"rig: error: {line}" for line in str(e).splitlines()), code=2) from None
+    print(folder)
 
 
 CHECKPOINT_HELP = {
@@ -117,6 +138,7 @@ def manifest(c, folder, name="", repo="", revision="", description="", out=""):
 
 ns = Collection("model")
 ns.add_task(fixture)
+ns.add_task(quantize)
 ns.add_task(fetch)
 ns.add_task(verify)
 ns.add_task(manifest)
