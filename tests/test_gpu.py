@@ -83,6 +83,9 @@ def _sets(tmp: Path, arch: str) -> dict[str, str]:
 
     sets = {"PORT": str(free_port()), "API_KEY_FILE": str(tmp / "api_key"), "MODEL": "tiny:hybrid",
             "SERVED_NAME": "rig-tiny-hybrid", "MAX_LEN": "32768", "KV_MEM": "4G", "GPU_ARCH": arch,
+            # Two servers share the card (auto and PREFILL_ATTN=int8): each plans for 24 GiB of it, so
+            # vLLM's start check (GPU_UTIL x the card <= free memory) passes for the second one too.
+            "GPU_MEM": "24G",
             "PREFIX_CACHE": "1"}
     for item in os.environ.get("RIG_GPU_SETS", "").split():
         k, _, v = item.partition("=")
@@ -145,7 +148,8 @@ def test_ready_on_cuda_and_records_what_vllm_chose(gpu_server):
                                              "block_size", "mamba_padding_pct")}))
     assert record["arch"] == plan.knobs["GPU_ARCH"]
     # The capacity planner (vLLM's page and pool code, run without a server) predicted all three.
-    card = cards.from_device(info["device"], *_memory())
+    total, _ = _memory()  # the card as preflight saw it, before this server took its share
+    card = cards.from_device(info["device"], total, total)
     pool = report.for_plan(plan, card).budget.pool
     assert (seen.pool_tokens, seen.block_size) == (pool.reported_tokens, pool.block_size)
     assert seen.padding_pct is None or seen.padding_pct == round(100 * pool.padding, 2)
@@ -385,6 +389,9 @@ def test_route_stays_out_of_cuda_graph_capture():
     spec = importlib.util.spec_from_file_location("rig_gpu_tier_int8_route",
                                                   paths.ROOT / "kernels" / "int8-prefill-attn" / "vllm_route.py")
     route = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules[spec.name] = route  # dataclasses look their module up there
     spec.loader.exec_module(route)
     dev = torch.device("cuda")
     qsl = torch.tensor([0, 64], dtype=torch.int32, device=dev)
