@@ -1,10 +1,13 @@
-"""`inv model.*`: a random-weight fixture of a real shape, W4A16 with auto-round, fetch / verify / manifest."""
+"""`inv model.*`: a random-weight fixture of a real shape, W4A16 with auto-round, fetch / verify / manifest,
+INT8_LAYERS calibration."""
 
 from __future__ import annotations
 
 import sys
 
 from invoke import Collection, Exit, task
+
+from rig.models.calibrate import DEFAULT_MAX_ERROR, DEFAULT_RECIPE
 
 HELP = {
     "shape": "models/<shape>.toml to build, e.g. qwen3.5-27b-class",
@@ -136,9 +139,68 @@ def manifest(c, folder, name="", repo="", revision="", description="", out=""):
           f"{f', {m.repo} at {m.revision}' if m.repo and m.revision else ''}")
 
 
+CALIBRATE_HELP = {
+    "model": "16-bit checkpoint folder, or tiny:hybrid / tiny:dense",
+    "recipe": f"quantize recipe whose calibration windows to use (models/recipes/; default {DEFAULT_RECIPE})",
+    "max_error": "largest acceptable relative output error of a layer under int8 activations, in (0, 1]; "
+                 f"default {DEFAULT_MAX_ERROR}",
+    "nsamples": "windows to run; 0 = the recipe's",
+    "seqlen": "tokens per window; 0 = the recipe's",
+    "out": "JSON report to write (atomic); default .rig/calibrate/<model folder>.json",
+}
+
+
+@task(help=CALIBRATE_HELP)
+def calibrate(c, model, recipe="", max_error=None, nsamples=0, seqlen=0, out=""):
+    """Per-linear int8 activation error on calibration text; ranks layers, recommends INT8_LAYERS."""
+    import time
+    from pathlib import Path
+
+    from rig import paths
+    from rig.models import calibrate as cal
+    from rig.models import quantize as q
+
+    t0 = time.monotonic()
+    try:
+        limit = cal.max_error(max_error)
+        report = cal.calibrate(model, recipe or DEFAULT_RECIPE, limit, int(nsamples), int(seqlen))
+    except (cal.CalibrateError, q.QuantizeError) as e:
+        raise Exit("\n".join(f"rig: error: {line}" for line in str(e).splitlines()), code=2) from None
+    dest = Path(out) if out else paths.state_dir() / "calibrate" / f"{Path(report['model']['path']).name}.json"
+    cal.write(report, dest)
+    _print_calibration(report)
+    print(f"{dest}  ({time.monotonic() - t0:.1f} s)")
+
+
+def _print_calibration(report: dict) -> None:
+    """The ranked layers, the presets and the recommendation as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    p = report["prompts"]
+    layers = Table(title=f"int8 activation error per layer ({p['nsamples']} x {p['seqlen']} tokens, ranked)")
+    for col in ("rank", "layer", "absmax", "outliers", "input err", "output err"):
+        layers.add_column(col, justify="left" if col == "layer" else "right")
+    for name, row in sorted(report["layers"].items(), key=lambda kv: kv[1]["rank"]):
+        layers.add_row(str(row["rank"]), name, f"{row['absmax']:.4g}", str(row["outlier_channels"]),
+                       f"{row['input_error']:.4%}", f"{row['output_error']:.4%}")
+    presets = Table(title=f"INT8_LAYERS presets (max error {report['method']['max_error']:g})")
+    for col in ("preset", "regex", "layers", "mean output err", "max output err"):
+        presets.add_column(col, justify="right" if "err" in col or col == "layers" else "left")
+    for name, row in report["presets"].items():
+        presets.add_row(name, row["regex"], str(row["count"]), f"{row['mean_output_error']:.4%}",
+                        f"{row['max_output_error']:.4%}")
+    console = Console(width=120)
+    console.print(layers)
+    console.print(presets)
+    rec = report["recommended"]
+    console.print(f"recommended INT8_LAYERS={rec['INT8_LAYERS']!s}  ({rec['why']})", highlight=False)
+
+
 ns = Collection("model")
 ns.add_task(fixture)
 ns.add_task(quantize)
 ns.add_task(fetch)
 ns.add_task(verify)
 ns.add_task(manifest)
+ns.add_task(calibrate)
