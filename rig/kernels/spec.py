@@ -11,13 +11,12 @@ kernel's name.
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rig import paths
+from rig import paths, tomlfile
 
 SPEC_FILE = "kernel.toml"
 Arch = Literal["sm86", "sm90"]
@@ -129,43 +128,19 @@ class KernelSpec(BaseModel):
         return list(dict.fromkeys([SPEC_FILE, *(f for t in self.triton for f in (t.module, *t.depends))]))
 
 
-def _where(err: dict) -> str:
-    """A pydantic error location as the TOML key a user would look for (``cuda[0].source``)."""
-    out = ""
-    for part in err["loc"]:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(file)"
-
-
 def load(folder: Path) -> KernelSpec:
     """Read and validate ``folder/kernel.toml``; every declared file must exist in the folder."""
     path = folder / SPEC_FILE
-    shown = _shown(path)
+    shown = tomlfile.shown(path)
     if not path.is_file():
         raise KernelSpecError(f"{shown}: no such file (a kernel folder declares itself in {SPEC_FILE})")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise KernelSpecError(f"{shown}: not valid TOML: {e}") from None
-    try:
-        spec = KernelSpec(**data)
-    except ValidationError as e:
-        where = "; ".join(f"{_where(err)}: {err['msg']}" for err in e.errors())
-        raise KernelSpecError(f"{shown}: {where}") from None
+    spec = tomlfile.validate(KernelSpec, tomlfile.read(path, KernelSpecError, shown), KernelSpecError, shown)
     if spec.name != folder.name:
         raise KernelSpecError(f"{shown}: name: {spec.name!r} must equal the folder's name {folder.name!r}")
     missing = [f for f in spec.inputs() if not (folder / f).is_file()]
     if missing:
         raise KernelSpecError(f"{shown}: declares {', '.join(missing)}, which the folder does not have")
     return spec
-
-
-def _shown(path: Path) -> str:
-    """A path as messages show it: relative to the checkout when inside it."""
-    try:
-        return str(path.relative_to(paths.ROOT))
-    except ValueError:
-        return str(path)
 
 
 def folder_of(name: str, root: Path | None = None) -> Path:
@@ -184,7 +159,7 @@ def load_named(name: str, root: Path | None = None) -> KernelSpec:
     folder = folder_of(name, root)
     if not (folder / SPEC_FILE).is_file():
         known = ", ".join(available(root)) or "none"
-        raise KernelSpecError(f"unknown kernel {name!r}: {_shown(folder / SPEC_FILE)} does not exist "
+        raise KernelSpecError(f"unknown kernel {name!r}: {tomlfile.shown(folder / SPEC_FILE)} does not exist "
                               f"(kernels in this checkout: {known})")
     return load(folder)
 

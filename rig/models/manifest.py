@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rig import paths
+from rig import paths, tomlfile
 
 KIND = "model-manifest"
 # Folders a download tool keeps inside a checkout of a repository (huggingface_hub's local_dir metadata):
@@ -102,25 +102,12 @@ def available() -> list[str]:
 
 def where(path: Path) -> str:
     """A manifest's path as users see it: relative to the checkout when inside it."""
-    try:
-        return str(path.resolve().relative_to(paths.ROOT))
-    except ValueError:
-        return str(path)
+    return tomlfile.shown(path)
 
 
 def load(path: Path) -> Manifest:
     """Parse and validate one manifest file; ManifestError names the file and every bad key."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as e:
-        raise ManifestError(f"{where(path)}: cannot read it ({e.strerror or e})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ManifestError(f"{where(path)}: not valid TOML: {e}") from None
-    try:
-        m = Manifest(**data)
-    except ValidationError as e:
-        bad = "; ".join(f"{'.'.join(map(str, err['loc'])) or '(file)'}: {err['msg']}" for err in e.errors())
-        raise ManifestError(f"{where(path)}: {bad}") from None
+    m = tomlfile.validate(Manifest, tomlfile.read(path, ManifestError, where(path)), ManifestError, where(path))
     if m.name != path.stem and path.resolve().parent == manifests_dir():
         raise ManifestError(f"{where(path)}: name = {m.name!r}, but a committed manifest is named by its file "
                             f"({path.stem!r})")

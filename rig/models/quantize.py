@@ -34,14 +34,13 @@ import json
 import os
 import shutil
 import time
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from rig import paths
+from rig import paths, tomlfile
 from rig.models import corpus, tiny
 
 RECIPES = paths.ROOT / "models" / "recipes"
@@ -133,12 +132,7 @@ def _held_out_seeds() -> set[int]:
 
 def load_recipe(path: Path) -> Recipe:
     """Parse and validate a recipe file; QuantizeError naming the file and each bad key."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as e:
-        raise QuantizeError(f"{path}: cannot read ({e.strerror})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise QuantizeError(f"{path}: not valid TOML ({e})") from None
+    data = tomlfile.read(path, QuantizeError, str(path))
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
