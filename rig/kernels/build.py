@@ -71,6 +71,15 @@ def _artefact(path: Path, rel: str, archs: list[str], source: str, meta: dict | 
                              archs=sorted(archs), source=source, meta=meta or {})
 
 
+def _stage(stage: Path, rel: str, data: bytes) -> Path:
+    """Write one artefact's bytes to ``rel`` under the staging folder; returns its path there (what
+    ``install`` moves to ``rel`` in the build folder)."""
+    dest = stage / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_bytes(data)
+    return dest
+
+
 def compile_cuda(spec: kspec.KernelSpec, folder: Path, archs: list[str], stage: Path, say: Progress) -> Staged:
     """nvcc each [[cuda]] source to one fatbin (SASS per arch, PTX of the newest) in a temp folder of copies."""
     nvcc, version = toolchain.pinned_nvcc()
@@ -99,10 +108,7 @@ def compile_cuda(spec: kspec.KernelSpec, folder: Path, archs: list[str], stage: 
             raise BuildError(f"kernel {spec.name}: {c.source} does not define the entry points {', '.join(missing)} "
                              f"its {kspec.SPEC_FILE} declares (extern \"C\" __global__)")
         rel = f"fat/{out_name}"
-        dest = stage / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_bytes(data)
-        staged.files[rel] = dest
+        staged.files[rel] = dest = _stage(stage, rel, data)
         artefacts.append(_artefact(dest, rel, archs, c.source))
     staged.part = staged.part.model_copy(update={"artefacts": artefacts})
     return staged
@@ -177,10 +183,7 @@ def compile_triton(spec: kspec.KernelSpec, folder: Path, archs: list[str], stage
                     raise BuildError(f"kernel {spec.name}: {aot['name']} needs {meta['shared_bytes']} bytes of shared "
                                      f"memory; {arch} allows {limit} per block: smaller tiles or fewer stages")
                 rel = f"triton/{arch}/{aot['name']}.cubin"
-                dest = stage / rel
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(cubin)
-                files[rel] = dest
+                files[rel] = dest = _stage(stage, rel, cubin)
                 artefacts.append(_artefact(dest, rel, [arch], t.module, meta))
     unlisted = sorted(set(archs) - {a for x in artefacts for a in x.archs})
     if unlisted:
