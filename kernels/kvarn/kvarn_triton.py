@@ -1,0 +1,657 @@
+"""KVarN cache kernels in Triton: quantize-on-write, decode attention on the packed paged cache, dequant for prefill.
+
+The stored format is reference.py's, byte for byte: a cache page holds one 128-token group of one
+layer, K's four arrays (codes, token_scale, token_offset, channel_scale) then V's, in the order and
+bit layout ``reference.Packed.to_bytes`` writes (106,496 B for 4 KV heads x 256). The pool is one
+uint8 tensor [pages, page_bytes]; kernels read its codes through it and its float16 scales through
+a float16 view of the same memory (every fp16 array starts at an even byte offset), so no pointer
+casts are needed and the Triton interpreter runs every kernel on CPU tensors.
+
+Kernels and why each exists:
+
+* ``_rotate_kernel``: rows @ H for the normalized Hadamard H, in fp32, on fp16 tensor cores. H is
+  stored as its +-1 (Sylvester) matrix in fp16 (exact); each row is scaled by a power of two
+  (exact), split into fp16 hi + lo parts (~22 significant bits), and the two products summed in
+  fp32. The result is independent of torch's TF32 setting and exact when the row's values have
+  <= 11 significant bits and the sums fit fp32 (what the bit-identity tests use). Used for the
+  quantizer's rotation, the decode query's rotation, the decode output's un-rotation and the
+  prefill dequant's un-rotation.
+* ``_quantize_kernel``: one (group, head) tile [128, 256] of rotated fp32 values -> 3 rounds of
+  token/channel RMS normalization -> float16 channel scales -> asymmetric RTN -> packed bytes,
+  with reference.quantize's arithmetic (IEEE division and sqrt, round half to even).
+* ``_decode_split_kernel``: flash-decoding over the packed groups without dequantizing to memory.
+  Scores use q.k = (qH).(kH) (H symmetric orthonormal) with the group's channel scales folded into
+  the rotated query, so a token's score is token_scale * (q' . codes) + token_offset * sum(q');
+  P.V is accumulated in the rotated domain (per group: channel_scale * (sum p*ts*codes + sum p*to))
+  and un-rotated once at the end. The unquantized tail (the newest < 128 tokens) is one more split.
+* ``_decode_combine_kernel``: merges the splits' (max, sum, acc) into the rotated and plain parts.
+* ``_dequant_kernel``: packed page -> rotated fp32 values (then ``_rotate_kernel`` -> fp16/bf16).
+
+Entry points: ``quantize_groups``, ``decode_attention``, ``dequantize_pages``,
+``prefill_attention`` and ``PagedKvarnCache`` (the host-side bookkeeping the tests and the
+benchmark use: pages, block tables, tails). Written for this repo; no code was copied.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+HERE = Path(__file__).resolve().parent
+
+
+def _load_reference():
+    """reference.py under the module name the reference tests use (one module object for both)."""
+    name = "rig_kernel_kvarn_reference"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE / "reference.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+reference = _load_reference()
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------- layout
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Byte offsets of the eight arrays inside one page (K's four, then V's): reference.layout's order."""
+
+    heads: int
+    dim: int
+    group: int
+    k_codes: int
+    k_ts: int
+    k_to: int
+    k_cs: int
+    v_codes: int
+    v_ts: int
+    v_to: int
+    v_cs: int
+    page_bytes: int
+
+
+def page_layout(heads: int = reference.KV_HEADS, dim: int = reference.HEAD_DIM,
+                group: int = reference.GROUP_TOKENS) -> PageLayout:
+    """The page's offsets, derived from reference.layout() alone so the two cannot drift apart."""
+    offsets, at = [], 0
+    for bits in (reference.K_BITS, reference.V_BITS):
+        for field in reference.layout(bits, heads, dim, group):
+            offsets.append(at)
+            at += field.group_bytes
+    if any(o % 2 for o in offsets) or dim & (dim - 1) or group & (group - 1):
+        raise ValueError(f"heads={heads} dim={dim} group={group}: fp16 arrays must start at even bytes and "
+                         "dim/group be powers of two")
+    return PageLayout(heads, dim, group, *offsets, at)
+
+
+MODEL_LAYOUT = page_layout()
+
+
+def tail_bytes_per_seq(layout: PageLayout = MODEL_LAYOUT, dtype: torch.dtype = torch.float16) -> int:
+    """Bytes of one sequence's unquantized tail (K and V, one layer): a full group in ``dtype``."""
+    return 2 * layout.group * layout.heads * layout.dim * torch.finfo(dtype).bits // 8
+
+
+_SIGNS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _signs(dim: int, device: torch.device) -> torch.Tensor:
+    """The +-1 Sylvester matrix in fp16 (exact), cached per device: H = signs / sqrt(dim)."""
+    key = (dim, str(device))
+    if key not in _SIGNS:
+        h = reference.hadamard(dim) * dim ** 0.5
+        _SIGNS[key] = h.round().to(torch.float16).to(device).contiguous()
+    return _SIGNS[key]
+
+
+# ----------------------------------------------------------------------------- device helpers
+
+@triton.jit
+def _rint(x):
+    """Round half to even (torch.round's rule) from floor alone: libdevice has no interpreter path."""
+    f = tl.math.floor(x)
+    d = x - f
+    odd = (f - 2.0 * tl.math.floor(f * 0.5)) == 1.0
+    up = (d > 0.5) | ((d == 0.5) & odd)
+    return tl.where(up, f + 1.0, f)
+
+
+@triton.jit
+def _pow2_above(a):
+    """A power of two > a (a >= 0) and its inverse, from the exponent bits: exact, unlike exp2/log2."""
+    e = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.minimum(e + 1, 253)
+    e = tl.maximum(e, 1)
+    return (e << 23).to(tl.float32, bitcast=True), ((254 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split16(x):
+    """x (fp32, |x| <= 1) as fp16 hi + lo: two tensor-core operands carrying ~22 bits of x."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    return hi, lo
+
+
+# ----------------------------------------------------------------------------- rotation
+
+@triton.jit
+def _rotate_kernel(x_ptr, s_ptr, add_ptr, o_ptr, M, inv_sqrt_d,
+                   D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_ADD: tl.constexpr):
+    """o[rows, cols] = (x[rows] @ signs[:, cols]) / sqrt(D) (+ add): a tile of x @ H in ~fp32 precision."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    k = tl.arange(0, D)
+    rmask = rows < M
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + k[None, :], mask=rmask[:, None], other=0.0)
+    x = x.to(tl.float32)
+    p2, inv = _pow2_above(tl.max(tl.abs(x), axis=1))
+    hi, lo = _split16(x * inv[:, None])
+    s = tl.load(s_ptr + k[:, None] * D + cols[None, :])
+    acc = tl.dot(hi, s, out_dtype=tl.float32) + tl.dot(lo, s, out_dtype=tl.float32)
+    acc = acc * (p2 * inv_sqrt_d)[:, None]
+    offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+    if HAS_ADD:
+        acc += tl.load(add_ptr + offs, mask=rmask[:, None], other=0.0)
+    tl.store(o_ptr + offs, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+def rotate(x: torch.Tensor, add: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [..., D] @ H (+ add, fp32 [..., D]) into out (or a new tensor of ``dtype``): Hadamard in fp32 precision."""
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d).contiguous()
+    if out is None:
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    o2 = out.view(-1, d)
+    a2 = add.reshape(-1, d).contiguous().float() if add is not None else o2
+    m = x2.shape[0]
+    if m:
+        # compiled: small tiles (registers); interpreter (CPU tensors): few big programs, numpy does the work
+        bm, bn = (32, min(64, d)) if x.is_cuda else (128, d)
+        _rotate_kernel[(triton.cdiv(m, bm), d // bn)](x2, _signs(d, x.device), a2, o2, m, 1.0 / math.sqrt(d),
+                                                       D=d, BM=bm, BN=bn, HAS_ADD=add is not None, num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------- quantize-on-write
+
+@triton.jit
+def _channel_scales(y, ITERS: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TINY: tl.constexpr):
+    """reference.dual_normalize on one [T, D] tile: ITERS rounds of token-RMS then channel-RMS division."""
+    channel = tl.full([D], 1.0, tl.float32)
+    for _ in tl.static_range(ITERS):
+        tok = tl.maximum(tl.sqrt_rn(tl.sum(y * y, axis=1) * (1.0 / D)), TINY)  # D, T: powers of two, exact
+        y = tl.div_rn(y, tl.broadcast_to(tok[:, None], [T, D]))
+        ch = tl.maximum(tl.sqrt_rn(tl.sum(y * y, axis=0) * (1.0 / T)), TINY)
+        y = tl.div_rn(y, tl.broadcast_to(ch[None, :], [T, D]))
+        channel = channel * ch
+    return channel
+
+
+@triton.jit
+def _quantize_kernel(y_ptr, pages_ptr, u8_ptr, f16_ptr, page_bytes, codes_off, ts_off, to_off, cs_off,
+                     HEADS: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                     NORMALIZE: tl.constexpr, ITERS: tl.constexpr, TINY: tl.constexpr,
+                     CH_LO: tl.constexpr, CH_HI: tl.constexpr):
+    """One (group, head): y [T, D] (rotated fp32, from y_ptr [G, T, HEADS, D]) -> one tensor's arrays in its page."""
+    g = tl.program_id(0)
+    h = tl.program_id(1)
+    t = tl.arange(0, T)
+    c = tl.arange(0, D)
+    y = tl.load(y_ptr + ((g * T + t[:, None]).to(tl.int64) * HEADS + h) * D + c[None, :])
+    if NORMALIZE:
+        channel = _channel_scales(y, ITERS, T, D, TINY)
+    else:
+        channel = tl.full([D], 1.0, tl.float32)
+    channel = tl.minimum(tl.maximum(channel, CH_LO), CH_HI).to(tl.float16)
+    y = tl.div_rn(y, tl.broadcast_to(channel.to(tl.float32)[None, :], [T, D]))
+    lo = tl.min(y, axis=1)
+    hi = tl.max(y, axis=1)
+    levels = (1 << BITS) - 1
+    step = tl.div_rn(hi - lo, tl.full([T], levels, tl.float32)).to(tl.float16)
+    step = tl.where(step > 0, step, 1.0).to(tl.float16)
+    offset = lo.to(tl.float16)
+    v = tl.div_rn(y - offset.to(tl.float32)[:, None], tl.broadcast_to(step.to(tl.float32)[:, None], [T, D]))
+    q = tl.minimum(tl.maximum(_rint(v), 0.0), levels * 1.0).to(tl.int32)
+    PER: tl.constexpr = 8 // BITS
+    NB: tl.constexpr = D // PER
+    shifts = tl.arange(0, PER) * BITS
+    packed = tl.sum(tl.reshape(q, [T, NB, PER]) << shifts[None, None, :], axis=2).to(tl.uint8)
+    page = tl.load(pages_ptr + g).to(tl.int64)
+    base = page * page_bytes
+    b = tl.arange(0, NB)
+    tl.store(u8_ptr + base + codes_off + (t[:, None] * HEADS + h) * NB + b[None, :], packed)
+    fbase = base // 2
+    tl.store(f16_ptr + fbase + ts_off // 2 + t * HEADS + h, step)
+    tl.store(f16_ptr + fbase + to_off // 2 + t * HEADS + h, offset)
+    tl.store(f16_ptr + fbase + cs_off // 2 + h * D + c, channel)
+
+
+QUANT_CHUNK = 64
+"""Groups per quantize launch: bounds the fp32 scratch (64 x 128 x 4 x 256 x 4 B = 32 MiB for this model)."""
+
+
+def quantize_groups(pool: torch.Tensor, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    layout: PageLayout = MODEL_LAYOUT, rotate_: bool = True, normalize: bool = True) -> None:
+    """Write full groups k, v [G, 128, heads, dim] (any float dtype) into pool pages ``pages`` (int32 [G]).
+
+    rotate_=normalize=False writes the plain per-token RTN baseline in the same layout (channel
+    scales 1.0); a reader must then skip the rotation too (decode_attention(rotated=False)).
+    """
+    if k.shape != v.shape or k.dim() != 4 or tuple(k.shape[1:]) != (layout.group, layout.heads, layout.dim):
+        raise ValueError(f"k, v must be [G, {layout.group}, {layout.heads}, {layout.dim}]; got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    f16 = pool.view(torch.float16)
+    pages = pages.to(device=pool.device, dtype=torch.int32)
+    for g0 in range(0, k.shape[0], QUANT_CHUNK):
+        sl = slice(g0, g0 + QUANT_CHUNK)
+        for x, bits, offs in ((k[sl], reference.K_BITS, (layout.k_codes, layout.k_ts, layout.k_to, layout.k_cs)),
+                              (v[sl], reference.V_BITS, (layout.v_codes, layout.v_ts, layout.v_to, layout.v_cs))):
+            y = rotate(x) if rotate_ else x.float().contiguous()
+            _quantize_kernel[(x.shape[0], layout.heads)](
+                y, pages[sl].contiguous(), pool, f16, layout.page_bytes, *offs,
+                HEADS=layout.heads, T=layout.group, D=layout.dim, BITS=bits, NORMALIZE=normalize,
+                ITERS=reference.NORM_ITERS, TINY=reference.TINY, CH_LO=reference.CHANNEL_RANGE[0],
+                CH_HI=reference.CHANNEL_RANGE[1], num_warps=8)
+
+
+# ----------------------------------------------------------------------------- dequantize (prefill)
+
+@triton.jit
+def _dequant_kernel(pages_ptr, u8_ptr, f16_ptr, o_ptr, page_bytes, codes_off, ts_off, to_off, cs_off,
+                    HEADS: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """One (page, head) of one tensor -> rotated fp32 values (code * ts + to) * cs into o [n, T, HEADS, D]."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    PER: tl.constexpr = 8 // BITS
+    NB: tl.constexpr = D // PER
+    page = tl.load(pages_ptr + i).to(tl.int64)
+    base = page * page_bytes
+    t = tl.arange(0, T)
+    b = tl.arange(0, NB)
+    raw = tl.load(u8_ptr + base + codes_off + (t[:, None] * HEADS + h) * NB + b[None, :]).to(tl.int32)
+    ts = tl.load(f16_ptr + base // 2 + ts_off // 2 + t * HEADS + h).to(tl.float32)
+    to = tl.load(f16_ptr + base // 2 + to_off // 2 + t * HEADS + h).to(tl.float32)
+    out = o_ptr + ((i * T + t[:, None]).to(tl.int64) * HEADS + h) * D
+    for j in tl.static_range(PER):
+        ch = b * PER + j
+        cs = tl.load(f16_ptr + base // 2 + cs_off // 2 + h * D + ch).to(tl.float32)
+        code = ((raw >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        tl.store(out + ch[None, :], (code * ts[:, None] + to[:, None]) * cs[None, :])
+
+
+def dequantize_pages(pool: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype = torch.float16,
+                     layout: PageLayout = MODEL_LAYOUT, rotated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``pages`` (int32 [n]) as [n * 128, heads, dim] tensors of ``dtype``, in page order."""
+    n = int(pages.numel())
+    pages = pages.to(device=pool.device, dtype=torch.int32).contiguous()
+    f16 = pool.view(torch.float16)
+    outs = []
+    for bits, offs in ((reference.K_BITS, (layout.k_codes, layout.k_ts, layout.k_to, layout.k_cs)),
+                       (reference.V_BITS, (layout.v_codes, layout.v_ts, layout.v_to, layout.v_cs))):
+        rot = torch.empty(n * layout.group, layout.heads, layout.dim, dtype=torch.float32, device=pool.device)
+        if n:
+            _dequant_kernel[(n, layout.heads)](pages, pool, f16, rot, layout.page_bytes, *offs, HEADS=layout.heads,
+                                               T=layout.group, D=layout.dim, BITS=bits, num_warps=4)
+        outs.append(rotate(rot, dtype=dtype) if rotated else rot.to(dtype))
+    return outs[0], outs[1]
+
+
+# ----------------------------------------------------------------------------- decode attention
+
+@triton.jit
+def _crumb(raw, J: tl.constexpr):
+    """The 2-bit code of channel 4i+J from byte i, as fp16 (exact)."""
+    return ((raw >> (2 * J)) & 3).to(tl.float16)
+
+
+@triton.jit
+def _dot2(a_hi, a_lo, b):
+    """(a_hi + a_lo) @ b in fp32 from two fp16 tensor-core products."""
+    return tl.dot(a_hi, b, out_dtype=tl.float32) + tl.dot(a_lo, b, out_dtype=tl.float32)
+
+
+@triton.jit
+def _decode_groups(qr_ptr, u8_ptr, f16_ptr, bt_row, s, h, g0, g1, page_bytes,
+                   K_CODES: tl.constexpr, K_TS: tl.constexpr, K_TO: tl.constexpr, K_CS: tl.constexpr,
+                   V_CODES: tl.constexpr, V_TS: tl.constexpr, V_TO: tl.constexpr, V_CS: tl.constexpr,
+                   HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Online softmax over packed groups g0..g1 of one (sequence, KV head): (m, l, acc0..acc3) in the rotated domain.
+
+    acc_j holds channels 4i+j (the 2-bit crumb order), so V's codes are never re-interleaved.
+    """
+    HQ: tl.constexpr = HKV * QPK
+    rows = tl.arange(0, BLOCK_G)
+    rmask = rows < QPK
+    qrow = qr_ptr + (s * HQ + h * QPK + rows).to(tl.int64)[:, None] * D
+    half = tl.arange(0, D // 2)
+    quarter = tl.arange(0, D // 4)
+    q_even = tl.load(qrow + 2 * half[None, :], mask=rmask[:, None], other=0.0)
+    q_odd = tl.load(qrow + 2 * half[None, :] + 1, mask=rmask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc0 = tl.zeros([BLOCK_G, D // 4], tl.float32)
+    acc1 = tl.zeros([BLOCK_G, D // 4], tl.float32)
+    acc2 = tl.zeros([BLOCK_G, D // 4], tl.float32)
+    acc3 = tl.zeros([BLOCK_G, D // 4], tl.float32)
+    for g in range(g0, g1):
+        page = tl.load(bt_row + g).to(tl.int64)
+        base = page * page_bytes
+        fb = base // 2
+        # fold K's channel scales into the rotated query; normalize rows so the fp16 split cannot overflow
+        cs_e = tl.load(f16_ptr + fb + K_CS // 2 + h * D + 2 * half).to(tl.float32)
+        cs_o = tl.load(f16_ptr + fb + K_CS // 2 + h * D + 2 * half + 1).to(tl.float32)
+        qs_e = q_even * cs_e[None, :]
+        qs_o = q_odd * cs_o[None, :]
+        qsum = tl.sum(qs_e, axis=1) + tl.sum(qs_o, axis=1)
+        amax = tl.maximum(tl.max(tl.abs(qs_e), axis=1), tl.max(tl.abs(qs_o), axis=1))
+        amax = tl.where(amax > 0, amax, 1.0)
+        e_hi, e_lo = _split16(qs_e / amax[:, None])
+        o_hi, o_lo = _split16(qs_o / amax[:, None])
+        vg0 = tl.zeros([BLOCK_G, D // 4], tl.float32)
+        vg1 = tl.zeros([BLOCK_G, D // 4], tl.float32)
+        vg2 = tl.zeros([BLOCK_G, D // 4], tl.float32)
+        vg3 = tl.zeros([BLOCK_G, D // 4], tl.float32)
+        off = tl.zeros([BLOCK_G], tl.float32)
+        for t0 in tl.static_range(0, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            kraw = tl.load(u8_ptr + base + K_CODES + (t[:, None] * HKV + h) * (D // 2) + half[None, :])
+            k_lo = tl.trans((kraw & 15).to(tl.float16))
+            k_hi = tl.trans((kraw >> 4).to(tl.float16))
+            dots = _dot2(e_hi, e_lo, k_lo) + _dot2(o_hi, o_lo, k_hi)
+            ts = tl.load(f16_ptr + fb + K_TS // 2 + t * HKV + h).to(tl.float32)
+            to = tl.load(f16_ptr + fb + K_TO // 2 + t * HKV + h).to(tl.float32)
+            sc = dots * amax[:, None] * ts[None, :] + qsum[:, None] * to[None, :]
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            vraw = tl.load(u8_ptr + base + V_CODES + (t[:, None] * HKV + h) * (D // 4) + quarter[None, :])
+            tsv = tl.load(f16_ptr + fb + V_TS // 2 + t * HKV + h).to(tl.float32)
+            tov = tl.load(f16_ptr + fb + V_TO // 2 + t * HKV + h).to(tl.float32)
+            tmax = tl.max(tsv, axis=0)
+            tmax = tl.where(tmax > 0, tmax, 1.0)
+            a_hi, a_lo = _split16(p * (tsv / tmax)[None, :])
+            vg0 = vg0 * alpha[:, None] + _dot2(a_hi, a_lo, _crumb(vraw, 0)) * tmax
+            vg1 = vg1 * alpha[:, None] + _dot2(a_hi, a_lo, _crumb(vraw, 1)) * tmax
+            vg2 = vg2 * alpha[:, None] + _dot2(a_hi, a_lo, _crumb(vraw, 2)) * tmax
+            vg3 = vg3 * alpha[:, None] + _dot2(a_hi, a_lo, _crumb(vraw, 3)) * tmax
+            off = off * alpha + tl.sum(p * tov[None, :], axis=1)
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
+        vcs = f16_ptr + fb + V_CS // 2 + h * D + 4 * quarter
+        acc0 += (vg0 + off[:, None]) * tl.load(vcs).to(tl.float32)[None, :]
+        acc1 += (vg1 + off[:, None]) * tl.load(vcs + 1).to(tl.float32)[None, :]
+        acc2 += (vg2 + off[:, None]) * tl.load(vcs + 2).to(tl.float32)[None, :]
+        acc3 += (vg3 + off[:, None]) * tl.load(vcs + 3).to(tl.float32)[None, :]
+    return m_i, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _decode_tail(qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, s, h, stride_ts, stride_tt,
+                 HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Online softmax over the sequence's unquantized tail (plain domain, fp32 products): (m, l, acc)."""
+    HQ: tl.constexpr = HKV * QPK
+    rows = tl.arange(0, BLOCK_G)
+    rmask = rows < QPK
+    d = tl.arange(0, D)
+    q = tl.load(qp_ptr + (s * HQ + h * QPK + rows).to(tl.int64)[:, None] * D + d[None, :],
+                mask=rmask[:, None], other=0.0)
+    n = tl.load(tail_len_ptr + s)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for t0 in tl.static_range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tmask = t < n
+        offs = s.to(tl.int64) * stride_ts + t[:, None] * stride_tt + h * D + d[None, :]
+        k = tl.load(tk_ptr + offs, mask=tmask[:, None], other=0.0).to(tl.float32)
+        v = tl.load(tv_ptr + offs, mask=tmask[:, None], other=0.0).to(tl.float32)
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=tl.float32)
+        sc = tl.where(tmask[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee", out_dtype=tl.float32)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(qr_ptr, qp_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, tail_len_ptr,
+                         tk_ptr, tv_ptr, stride_ts, stride_tt, o_ptr, ml_ptr, page_bytes, gps,
+                         K_CODES: tl.constexpr, K_TS: tl.constexpr, K_TO: tl.constexpr, K_CS: tl.constexpr,
+                         V_CODES: tl.constexpr, V_TS: tl.constexpr, V_TO: tl.constexpr, V_CS: tl.constexpr,
+                         HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                         NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program (sequence, KV head, split): splits < NSPLIT take ``gps`` packed groups each; split NSPLIT the tail.
+
+    Writes unnormalized acc to o [S, HQ, NSPLIT + 1, D] and (m, l) to ml [S, HQ, NSPLIT + 1, 2].
+    """
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    j = tl.program_id(2)
+    HQ: tl.constexpr = HKV * QPK
+    rows = tl.arange(0, BLOCK_G)
+    rmask = rows < QPK
+    slot = ((s * HQ + h * QPK + rows) * (NSPLIT + 1) + j).to(tl.int64)
+    if j == NSPLIT:
+        m_i, l_i, acc = _decode_tail(qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, s, h, stride_ts, stride_tt,
+                                     HKV, QPK, D, T, BLOCK_G, BLOCK_T)
+        d = tl.arange(0, D)
+        tl.store(o_ptr + slot[:, None] * D + d[None, :], acc, mask=rmask[:, None])
+    else:
+        n = tl.load(ngroups_ptr + s)
+        g0 = j * gps
+        g1 = tl.minimum(g0 + gps, n)
+        m_i, l_i, a0, a1, a2, a3 = _decode_groups(
+            qr_ptr, u8_ptr, f16_ptr, bt_ptr + s.to(tl.int64) * stride_bt, s, h, g0, g1, page_bytes,
+            K_CODES, K_TS, K_TO, K_CS, V_CODES, V_TS, V_TO, V_CS, HKV, QPK, D, T, BLOCK_G, BLOCK_T)
+        c = 4 * tl.arange(0, D // 4)
+        base = o_ptr + slot[:, None] * D + c[None, :]
+        tl.store(base, a0, mask=rmask[:, None])
+        tl.store(base + 1, a1, mask=rmask[:, None])
+        tl.store(base + 2, a2, mask=rmask[:, None])
+        tl.store(base + 3, a3, mask=rmask[:, None])
+    tl.store(ml_ptr + slot * 2, m_i, mask=rmask)
+    tl.store(ml_ptr + slot * 2 + 1, l_i, mask=rmask)
+
+
+@triton.jit
+def _decode_combine_kernel(o_ptr, ml_ptr, rot_ptr, plain_ptr,
+                           D: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr):
+    """Program (sequence x query head): merge the splits; write rot = packed part / L and plain = tail part / L."""
+    r = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, NSPLIT_P2)
+    jmask = j < NSPLIT
+    d = tl.arange(0, D)
+    m = tl.load(ml_ptr + (r * (NSPLIT + 1) + j) * 2, mask=jmask, other=float("-inf"))
+    lsum = tl.load(ml_ptr + (r * (NSPLIT + 1) + j) * 2 + 1, mask=jmask, other=0.0)
+    mt = tl.load(ml_ptr + (r * (NSPLIT + 1) + NSPLIT) * 2)
+    lt = tl.load(ml_ptr + (r * (NSPLIT + 1) + NSPLIT) * 2 + 1)
+    mx = tl.maximum(tl.max(m, axis=0), mt)
+    w = tl.where(m > float("-inf"), tl.exp2(m - mx), 0.0)
+    wt = tl.where(mt > float("-inf"), tl.exp2(mt - mx), 0.0)
+    total = tl.sum(w * lsum, axis=0) + wt * lt
+    parts = tl.load(o_ptr + (r * (NSPLIT + 1) + j)[:, None] * D + d[None, :], mask=jmask[:, None], other=0.0)
+    rot = tl.sum(parts * w[:, None], axis=0) / total
+    tail = tl.load(o_ptr + (r * (NSPLIT + 1) + NSPLIT) * D + d) * (wt / total)
+    tl.store(rot_ptr + r * D + d, rot)
+    tl.store(plain_ptr + r * D + d, tail)
+
+
+def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device) -> tuple[int, int]:
+    """(groups per split, number of splits): enough programs to fill the GPU, at most 64 splits."""
+    if max_groups <= 0:
+        return 1, 0
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    want = max(1, min(64, max_groups, math.ceil(4 * sms / max(1, batch * kv_heads))))
+    gps = math.ceil(max_groups / want)
+    return gps, math.ceil(max_groups / gps)
+
+
+def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, n_groups: torch.Tensor,
+                     max_groups: int, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_len: torch.Tensor,
+                     out: torch.Tensor | None = None, layout: PageLayout = MODEL_LAYOUT, rotated: bool = True,
+                     splits: int | None = None, block_t: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
+
+    q [S, HQ, D]; block_table int32 [S, >= max_groups] (page of each full group); n_groups, tail_len
+    int32 [S] (device); max_groups: a host-side bound on n_groups (no device sync); tail_k/v
+    [S, 128, HKV, D] (fp16/bf16/fp32), the newest tail_len[s] tokens in the first rows. Every
+    sequence needs at least one token. rotated=False reads the plain-RTN layout (no query rotation).
+    """
+    s_, hq, d = q.shape
+    hkv, t = layout.heads, layout.group
+    if hq % hkv or d != layout.dim:
+        raise ValueError(f"q {tuple(q.shape)} does not fit {hkv} KV heads x dim {layout.dim}")
+    qpk = hq // hkv
+    scale = LOG2E / math.sqrt(d)
+    qp = (q.float() * scale).contiguous()
+    qr = rotate(qp) if rotated else qp
+    gps, nsplit = _splits(s_, hkv, max_groups, q.device)
+    if splits is not None and max_groups > 0:
+        gps = math.ceil(max_groups / max(1, min(splits, max_groups)))
+        nsplit = math.ceil(max_groups / gps)
+    o_part = torch.empty(s_, hq, nsplit + 1, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(s_, hq, nsplit + 1, 2, dtype=torch.float32, device=q.device)
+    if tail_k.stride() != tail_v.stride() or tail_k.stride(2) != d or tail_k.stride(3) != 1:
+        raise ValueError("tail_k and tail_v must share strides with contiguous [heads, dim] rows")
+    lay = layout
+    _decode_split_kernel[(s_, hkv, nsplit + 1)](
+        qr, qp, pool, pool.view(torch.float16), block_table, block_table.stride(0), n_groups, tail_len,
+        tail_k, tail_v, tail_k.stride(0), tail_k.stride(1), o_part, ml, lay.page_bytes, gps,
+        K_CODES=lay.k_codes, K_TS=lay.k_ts, K_TO=lay.k_to, K_CS=lay.k_cs,
+        V_CODES=lay.v_codes, V_TS=lay.v_ts, V_TO=lay.v_to, V_CS=lay.v_cs,
+        HKV=hkv, QPK=qpk, D=d, T=t, NSPLIT=nsplit, BLOCK_G=max(16, triton.next_power_of_2(qpk)),
+        BLOCK_T=block_t, num_warps=num_warps)
+    rot = torch.empty(s_, hq, d, dtype=torch.float32, device=q.device)
+    plain = torch.empty_like(rot)
+    _decode_combine_kernel[(s_ * hq,)](o_part, ml, rot, plain, D=d, NSPLIT=nsplit,
+                                       NSPLIT_P2=max(1, triton.next_power_of_2(nsplit)), num_warps=4)
+    if out is None:
+        out = torch.empty_like(q)
+    if rotated:
+        return rotate(rot, add=plain, out=out)
+    out.copy_(rot + plain)
+    return out
+
+
+# ----------------------------------------------------------------------------- the paged cache (host side)
+
+class PagedKvarnCache:
+    """One layer's KVarN cache for a few sequences: a page pool, block tables and per-sequence fp16/bf16 tails.
+
+    A sequence's tokens go to its tail; each time the tail holds a full group of 128 tokens the
+    group is quantized into a free page and the tail restarts. The tail costs a full group per
+    sequence in the tail dtype (tail_bytes_per_seq: 524,288 B for 4 x 256 in fp16), whatever the
+    sequence's length. Lengths are mirrored on the host so decoding never syncs the device.
+    """
+
+    def __init__(self, num_pages: int, max_seqs: int, max_groups: int, device: str | torch.device = "cpu",
+                 tail_dtype: torch.dtype = torch.float16, layout: PageLayout = MODEL_LAYOUT,
+                 rotated: bool = True):
+        self.layout, self.rotated, self.device = layout, rotated, torch.device(device)
+        self.pool = torch.zeros(num_pages, layout.page_bytes, dtype=torch.uint8, device=self.device)
+        self.block_table = torch.zeros(max_seqs, max_groups, dtype=torch.int32, device=self.device)
+        self.n_groups = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)
+        self.tail_len = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)
+        shape = (max_seqs, layout.group, layout.heads, layout.dim)
+        self.tail_k = torch.zeros(shape, dtype=tail_dtype, device=self.device)
+        self.tail_v = torch.zeros(shape, dtype=tail_dtype, device=self.device)
+        self.free = list(range(num_pages))
+        self.host_groups = [0] * max_seqs
+        self.host_tail = [0] * max_seqs
+
+    def _take_pages(self, seq: int, count: int) -> torch.Tensor:
+        """Pop ``count`` free pages and append them to seq's block table."""
+        if count > len(self.free):
+            raise RuntimeError(f"page pool exhausted: {count} pages wanted, {len(self.free)} free")
+        g = self.host_groups[seq]
+        if g + count > self.block_table.shape[1]:
+            raise RuntimeError(f"sequence {seq}: more than {self.block_table.shape[1]} groups")
+        pages = [self.free.pop(0) for _ in range(count)]
+        idx = torch.tensor(pages, dtype=torch.int32, device=self.device)
+        self.block_table[seq, g:g + count] = idx
+        self.host_groups[seq] = g + count
+        self.n_groups[seq] = g + count
+        return idx
+
+    def append(self, seq: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add tokens k, v [n, heads, dim] to sequence ``seq``: fill the tail, quantize each full group."""
+        lay, n, i = self.layout, k.shape[0], 0
+        while i < n:
+            at = self.host_tail[seq]
+            take = min(n - i, lay.group - at)
+            if at == 0 and take == lay.group:  # whole groups straight from the input, no tail round trip
+                whole = (n - i) // lay.group
+                chunk = slice(i, i + whole * lay.group)
+                shape = (whole, lay.group, lay.heads, lay.dim)
+                quantize_groups(self.pool, self._take_pages(seq, whole), k[chunk].reshape(shape),
+                                v[chunk].reshape(shape), lay, self.rotated, self.rotated)
+                i += whole * lay.group
+                continue
+            self.tail_k[seq, at:at + take] = k[i:i + take]
+            self.tail_v[seq, at:at + take] = v[i:i + take]
+            i += take
+            at += take
+            if at == lay.group:
+                quantize_groups(self.pool, self._take_pages(seq, 1), self.tail_k[seq:seq + 1],
+                                self.tail_v[seq:seq + 1], lay, self.rotated, self.rotated)
+                at = 0
+            self.host_tail[seq] = at
+            self.tail_len[seq] = at
+
+    def decode(self, q: torch.Tensor, out: torch.Tensor | None = None, **kw) -> torch.Tensor:
+        """decode_attention for q [max_seqs, HQ, D] (one query per sequence slot, each with >= 1 token)."""
+        return decode_attention(q, self.pool, self.block_table, self.n_groups, max(self.host_groups),
+                                self.tail_k, self.tail_v, self.tail_len, out=out, layout=self.layout,
+                                rotated=self.rotated, **kw)
+
+    def context(self, seq: int, dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+        """seq's whole cache as [length, heads, dim] K and V in ``dtype`` (dequantized groups, then the tail)."""
+        pages = self.block_table[seq, :self.host_groups[seq]]
+        k, v = dequantize_pages(self.pool, pages, dtype, self.layout, self.rotated)
+        n = self.host_tail[seq]
+        return (torch.cat([k, self.tail_k[seq, :n].to(dtype)]), torch.cat([v, self.tail_v[seq, :n].to(dtype)]))
+
+
+def prefill_attention(cache: PagedKvarnCache, seq: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Causal attention of a new chunk q, k, v [n, heads, dim] over seq's cached context plus itself; then cache it.
+
+    The cached context is dequantized to ``dtype`` by the Triton dequant kernel and the attention
+    is torch SDPA (any attention would do: the cache is plain fp16/bf16 K/V by then).
+    """
+    ck, cv = cache.context(seq, dtype)
+    kk = torch.cat([ck, k.to(dtype)])
+    vv = torch.cat([cv, v.to(dtype)])
+    n, ctx = q.shape[0], ck.shape[0]
+    pos_q = ctx + torch.arange(n, device=q.device)
+    mask = torch.arange(ctx + n, device=q.device)[None, :] <= pos_q[:, None]
+    rep = q.shape[1] // kk.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.to(dtype).transpose(0, 1), kk.repeat_interleave(rep, 1).transpose(0, 1),
+        vv.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask)
+    cache.append(seq, k, v)
+    return out.transpose(0, 1)

@@ -1,0 +1,427 @@
+"""The KVarN Triton kernels (kernels/kvarn/kvarn_triton.py) against the torch reference (kernels/kvarn/reference.py).
+
+Every check runs twice where it can: on CPU tensors through Triton's interpreter (always, when
+triton is installed: the kernel module is loaded with TRITON_INTERPRET=1, which triton reads when
+``@triton.jit`` decorates, so it is set only while that copy loads), and compiled on a CUDA GPU
+(``cuda`` cases, marked ``gpu``, skipped without a CUDA device). GPU-scale checks (long contexts,
+8 sequences) are ``gpu`` only.
+
+What is held:
+
+* quantize-on-write: the page's bytes equal ``reference.quantize(...).to_bytes()`` (K then V)
+  exactly for plain RTN, and for the rotation on inputs whose rotation is exact; for full KVarN the
+  3 rounds of RMS reductions sum in a different order than torch, so a float16 channel scale can
+  land 1 ulp away and move a code by 1: bounded below (measured on 24 groups in the interpreter:
+  codes <= 1 apart in <= 5e-6 of them, <= 3 channel scales of 24,576 1 ulp apart, token
+  scale/offset <= 2 ulp apart in <= 7 of 3,072).
+* dequant (prefill): within fp32 rounding of ``reference.dequantize``; prefill attention close to
+  causal fp32 attention over the reference's dequantized context.
+* decode: relative error <= 1e-3 against fp32 attention over the reference-dequantized K/V (plus
+  the unquantized tail), and the same distance to fp32 attention over the original K/V as the
+  reference has; paged (shuffled pages), GQA 24/4, several splits, a sequence with no full group,
+  one with an empty tail. Outputs are poisoned with NaN first; inputs are fresh random per check
+  (the seed is in the message; RIG_TEST_SEED replays). Negative controls: the same bound fails
+  when the reader skips the rotation, and a page write leaves other pages untouched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels" / "kvarn"
+ROOT = KERNEL_DIR.parents[1]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+CHILD = os.environ.get("RIG_KVARN_INTERPRETER_CHILD") == "1"
+"""True in the subprocess that runs the interpreter cases (TRITON_INTERPRET=1 was set before triton loaded)."""
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the KVarN kernels are Triton "
+                                                        "(on CPU they run in its interpreter)")
+DECODE_BOUND = 1e-3
+"""Decode vs fp32 attention over the reference-dequantized cache (measured ~3e-5 in the interpreter)."""
+
+
+def _load():
+    """kvarn_triton.py as a module (interpreted in the child process, compiled elsewhere)."""
+    name = "rig_kernel_kvarn_triton"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, KERNEL_DIR / "kvarn_triton.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+# Triton decorates its own library (tl.min, tl.sum, ...) when it is imported, in the mode
+# TRITON_INTERPRET says then, and reads it again while kernels run: one process cannot hold
+# interpreted and compiled kernels, and in a full run another test module may import triton
+# (through vLLM) first. So the interpreter cases run in a child pytest of this file with
+# TRITON_INTERPRET=1 from the start (test_kernels_in_the_triton_interpreter), and this process
+# runs the compiled CUDA cases.
+BACKENDS = [pytest.param("cpu", id="interpreter")] if CHILD else [
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not HAS_CUDA, reason="no CUDA device (torch.cuda.is_available() is False): compiled kernels need a GPU")]),
+]
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (torch.cuda.is_available() is False)")
+
+
+@pytest.fixture(params=BACKENDS)
+def dev(request):
+    """(kernel module, device): the interpreter on CPU tensors (child process), or compiled kernels on CUDA."""
+    return _load(), request.param
+
+
+@pytest.mark.skipif(CHILD, reason="this is the child run")
+def test_kernels_in_the_triton_interpreter():
+    """Every dev-parametrized check below, run by Triton's interpreter on CPU tensors in a child pytest."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "RIG_KVARN_INTERPRETER_CHILD": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-rfEs",
+                           "-p", "no:cacheprovider", "-m", "not gpu"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, f"interpreter run failed (exit {proc.returncode}):\n{tail}"
+    assert " passed" in proc.stdout, tail
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Keep CPU use modest (the interpreter is numpy; a CI run shares this host); restore after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+_SEEDS = random.Random(int(os.environ["RIG_TEST_SEED"]) if "RIG_TEST_SEED" in os.environ else None)
+
+
+def _fresh_seed() -> int:
+    """A new seed for every check; set RIG_TEST_SEED to replay a run."""
+    return _SEEDS.randrange(2**31)
+
+
+def _ref():
+    """reference.py, loaded the way the kernel module loads it (one module object)."""
+    spec = importlib.util.spec_from_file_location("rig_kernel_kvarn_reference", KERNEL_DIR / "reference.py")
+    if spec.name not in sys.modules:
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[spec.name]
+
+
+def _page_bytes(pool: torch.Tensor, page: int) -> bytes:
+    return pool[page].cpu().numpy().tobytes()
+
+
+def _ref_page(r, k: torch.Tensor, v: torch.Tensor, rotate: bool, normalize: bool) -> bytes:
+    """What one page must hold: reference K group bytes then V group bytes."""
+    return (r.quantize(k.cpu(), r.K_BITS, rotate, normalize).to_bytes()
+            + r.quantize(v.cpu(), r.V_BITS, rotate, normalize).to_bytes())
+
+
+def _poisoned_pool(kt, pages: int, device: str) -> torch.Tensor:
+    return torch.full((pages, kt.MODEL_LAYOUT.page_bytes), 0xA5, dtype=torch.uint8, device=device)
+
+
+# ----------------------------------------------------------------------------- layout
+
+def test_page_layout_is_the_reference_layout():
+    kt = _load()
+    r = kt.reference
+    lay = kt.MODEL_LAYOUT
+    assert lay.page_bytes == r.group_bytes(r.K_BITS) + r.group_bytes(r.V_BITS) == 106_496
+    assert lay.page_bytes / r.GROUP_TOKENS == r.token_bytes() == 832
+    assert (lay.k_ts, lay.k_to, lay.k_cs, lay.v_codes) == (65_536, 66_560, 67_584, 69_632)
+    assert kt.tail_bytes_per_seq() == 2 * 128 * 4 * 256 * 2 == 524_288
+    cache = kt.PagedKvarnCache(2, 3, 4)
+    assert cache.tail_k.nbytes + cache.tail_v.nbytes == 3 * kt.tail_bytes_per_seq()
+
+
+# ----------------------------------------------------------------------------- quantize-on-write
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_plain_rtn_write_is_bit_identical(dev, dtype):
+    """Rotation and normalization off: every op is exactly rounded and order-free, so the bytes are the reference's."""
+    kt, device = dev
+    r = kt.reference
+    seed = _fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    k = (3 * torch.randn(2, 128, 4, 256, generator=g)).to(dtype)
+    v = torch.randn(2, 128, 4, 256, generator=g).to(dtype)
+    pool = _poisoned_pool(kt, 4, device)
+    kt.quantize_groups(pool, torch.tensor([2, 0]), k.to(device), v.to(device), rotate_=False, normalize=False)
+    for i, page in enumerate((2, 0)):
+        assert _page_bytes(pool, page) == _ref_page(r, k[i], v[i], False, False), f"page {page}, seed {seed}"
+    assert (pool[[1, 3]] == 0xA5).all(), "a page nobody wrote was changed"
+
+
+def test_rotated_rtn_write_is_bit_identical_on_exact_inputs(dev):
+    """Integer inputs (|x| <= 64): x @ H is exact in any summation order, so with rotation on the bytes match too."""
+    kt, device = dev
+    r = kt.reference
+    seed = _fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(-64, 65, (1, 128, 4, 256), generator=g).float()
+    v = torch.randint(-64, 65, (1, 128, 4, 256), generator=g).float()
+    pool = _poisoned_pool(kt, 1, device)
+    kt.quantize_groups(pool, torch.tensor([0]), k.to(device), v.to(device), rotate_=True, normalize=False)
+    assert _page_bytes(pool, 0) == _ref_page(r, k[0], v[0], True, False), f"seed {seed}"
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in float16 ulps (same-sign values: the bit patterns' integer difference)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def _compare_kvarn_page(r, raw: torch.Tensor, x: torch.Tensor, bits: int) -> dict:
+    """Field-by-field distances between one tensor's stored arrays and reference.quantize(x, bits)."""
+    ref = r.quantize(x, bits)
+    n = ref.codes.numel()
+    f = raw[n:].view(torch.float16)
+    t, h, d = x.shape
+    got = {"codes": r.unpack_codes(raw[:n].view(t, h, -1), bits), "token_scale": f[:t * h].view(t, h),
+           "token_offset": f[t * h:2 * t * h].view(t, h), "channel_scale": f[2 * t * h:].view(h, d)}
+    code_diff = (got["codes"] - r.unpack_codes(ref.codes, bits)).abs()
+    out = {"code_max": int(code_diff.max()), "code_frac": float((code_diff > 0).float().mean())}
+    for name in ("token_scale", "token_offset", "channel_scale"):
+        u = _ulps(got[name], getattr(ref, name))
+        out[name] = (int(u.max()), float((u > 0).float().mean()))
+    return out
+
+
+def _within_kvarn_bound(c: dict) -> bool:
+    """The stated bound: codes <= 1 apart in < 1e-4 of them; fp16 scales <= 2 ulp (channel: 1) in < 1% of them."""
+    return (c["code_max"] <= 1 and c["code_frac"] < 1e-4 and c["channel_scale"][0] <= 1
+            and all(c[n][0] <= 2 and c[n][1] < 0.01 for n in ("token_scale", "token_offset", "channel_scale")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kvarn_write_matches_reference_within_the_stated_bound(dev, dtype):
+    kt, device = dev
+    r = kt.reference
+    seed = _fresh_seed()
+    _, k, v = r.synthetic(2 * 128, seed % 10_000)
+    k, v = k.to(dtype).view(2, 128, 4, 256), v.to(dtype).view(2, 128, 4, 256)
+    pool = _poisoned_pool(kt, 2, device)
+    kt.quantize_groups(pool, torch.tensor([1, 0]), k.to(device), v.to(device))
+    lay = kt.MODEL_LAYOUT
+    for i, page in enumerate((1, 0)):
+        raw = pool[page].cpu()
+        for name, x, bits, sl in (("K", k[i], r.K_BITS, slice(0, lay.v_codes)),
+                                  ("V", v[i], r.V_BITS, slice(lay.v_codes, lay.page_bytes))):
+            c = _compare_kvarn_page(r, raw[sl], x, bits)
+            assert _within_kvarn_bound(c), f"{name} group {i}: {c}, seed {seed}"
+
+
+def test_kvarn_bound_is_not_vacuous():
+    """Negative control: the bound rejects a page whose codes are off by one in 1% of places."""
+    r = _ref()
+    x = torch.randn(128, 4, 256, generator=torch.Generator().manual_seed(1))
+    p = r.quantize(x, 4)
+    codes = r.unpack_codes(p.codes, 4)
+    flat = codes.view(-1)
+    sel = flat[::100]
+    flat[::100] = torch.where(sel < 15, sel + 1, sel - 1)
+    raw = torch.frombuffer(bytearray(p.to_bytes()), dtype=torch.uint8)
+    assert _within_kvarn_bound(_compare_kvarn_page(r, raw, x, 4))
+    raw[:p.codes.numel()] = r.pack_codes(codes, 4).view(-1)
+    assert not _within_kvarn_bound(_compare_kvarn_page(r, raw, x, 4))
+
+
+# ----------------------------------------------------------------------------- dequant and prefill
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_dequant_matches_the_reference(dev, dtype):
+    kt, device = dev
+    r = kt.reference
+    seed = _fresh_seed()
+    _, k, v = r.synthetic(2 * 128, seed % 10_000)
+    pool = _poisoned_pool(kt, 3, device)
+    kt.quantize_groups(pool, torch.tensor([2, 0]), k.view(2, 128, 4, 256).to(device), v.view(2, 128, 4, 256).to(device))
+    kd, vd = kt.dequantize_pages(pool, torch.tensor([2, 0], dtype=torch.int32), dtype)
+    assert kd.dtype == vd.dtype == dtype and kd.shape == (256, 4, 256)
+    lay = kt.MODEL_LAYOUT
+    for i, page in enumerate((2, 0)):
+        raw = pool[page].cpu()
+        for got, sl, bits in ((kd, slice(0, lay.v_codes), 4), (vd, slice(lay.v_codes, lay.page_bytes), 2)):
+            packed = _packed_from_raw(r, raw[sl], bits)
+            want = r.dequantize(packed)
+            part = got[i * 128:(i + 1) * 128].cpu().float()
+            tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+            err = ((part - want).abs() / want.abs().amax()).max().item()
+            assert err <= tol, f"bits {bits} page {page} {dtype}: max error {err} of the max, seed {seed}"
+
+
+def _packed_from_raw(r, raw: torch.Tensor, bits: int, t: int = 128, h: int = 4, d: int = 256):
+    """A reference.Packed read back from one tensor's stored bytes (what the kernel wrote)."""
+    n = t * h * d * bits // 8
+    f = raw[n:].view(torch.float16)
+    return r.Packed(bits, True, raw[:n].view(t, h, -1), f[:t * h].view(t, h), f[t * h:2 * t * h].view(t, h),
+                    f[2 * t * h:].view(h, d))
+
+
+def _causal_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """fp32 causal attention of the last q.shape[0] positions over k, v [L, heads, d] (GQA)."""
+    n, length = q.shape[0], k.shape[0]
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
+    logits = torch.einsum("nhd,lhd->hnl", q.float(), kk) / q.shape[-1] ** 0.5
+    pos = length - n + torch.arange(n)
+    logits = logits.masked_fill(torch.arange(length)[None, None, :] > pos[None, :, None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", logits.softmax(-1), vv)
+
+
+def test_prefill_attention_over_the_dequantized_cache(dev):
+    """A 160-token context (one group + a 32-token tail), then a 40-token chunk: causal attention vs fp32."""
+    kt, device = dev
+    r = kt.reference
+    seed = _fresh_seed()
+    q, k, v = r.synthetic(256, seed % 10_000, queries=40)
+    k, v = k[:200].half(), v[:200].half()
+    cache = kt.PagedKvarnCache(4, 1, 4, device=device)
+    cache.append(0, k[:160].to(device), v[:160].to(device))
+    out = kt.prefill_attention(cache, 0, q.to(device), k[160:].to(device), v[160:].to(device), torch.float16)
+    ctx_k = torch.cat([r.roundtrip_cache(k[:128].float(), 4), k[128:].float()])
+    ctx_v = torch.cat([r.roundtrip_cache(v[:128].float(), 2), v[128:].float()])
+    want = _causal_ref(q, ctx_k, ctx_v)
+    rel, cos = r.errors(want, out.cpu().float())
+    assert rel <= 5e-3, f"prefill rel error {rel} (cos {cos}), seed {seed}"
+    assert cache.host_groups[0] == 1 and cache.host_tail[0] == 72  # the chunk went into the cache
+
+
+# ----------------------------------------------------------------------------- decode
+
+def _build(kt, lens: list[int], seed: int, device: str, pieces: bool):
+    """A cache with sequences of ``lens`` tokens (fp16 K/V from reference.synthetic), pages shuffled.
+
+    pieces=True appends one chunk then token by token (the decode path through the tail);
+    otherwise all at once. Returns (cache, q [S, 24, 256], per-sequence fp32 K/V as cached).
+    """
+    r = kt.reference
+    g = torch.Generator().manual_seed(seed)
+    total = sum((n + 127) // 128 for n in lens) + 1
+    cache = kt.PagedKvarnCache(total, len(lens), max(1, max(n // 128 for n in lens)), device=device)
+    cache.free = torch.randperm(total, generator=g).tolist()
+    qs, kv = [], []
+    for s, n in enumerate(lens):
+        q, k, v = r.synthetic((n + 127) // 128 * 128, seed % 10_000 + s, queries=1)
+        k, v = k[:n].half(), v[:n].half()
+        if pieces:
+            first = min(n, 130)
+            cache.append(s, k[:first].to(device), v[:first].to(device))
+            for i in range(first, n):
+                cache.append(s, k[i:i + 1].to(device), v[i:i + 1].to(device))
+        else:
+            cache.append(s, k.to(device), v.to(device))
+        qs.append(q[0])
+        kv.append((k.float(), v.float()))
+    return cache, torch.stack(qs), kv
+
+
+def _decode_check(kt, cache, q: torch.Tensor, kv, device: str, where: str, **kw) -> list[tuple[float, float]]:
+    """Decode into a NaN-poisoned buffer; per sequence the errors vs the reference-dequantized cache.
+
+    Also asserts that the distance to fp32 attention over the original K/V is the reference's.
+    """
+    r = kt.reference
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=device)
+    kt_out = cache.decode(q.to(device), out=out, **kw).cpu()
+    assert not kt_out.isnan().any(), f"rows left unwritten (NaN): {where}"
+    res = []
+    for s, (k, v) in enumerate(kv):
+        n = cache.host_groups[s] * 128
+        kd = torch.cat([r.roundtrip_cache(k[:n], r.K_BITS), k[n:]]) if n else k
+        vd = torch.cat([r.roundtrip_cache(v[:n], r.V_BITS), v[n:]]) if n else v
+        want = r.attention(q[s:s + 1], kd, vd)[0]
+        got = kt_out[s].float()
+        res.append(r.errors(want, got))
+        exact = r.attention(q[s:s + 1], k, v)[0]
+        assert abs(r.errors(exact, got)[0] - r.errors(exact, want)[0]) <= DECODE_BOUND, f"seq {s}: {where}"
+    return res
+
+
+def test_decode_matches_attention_over_the_dequantized_cache(dev):
+    """Lengths 300 (2 groups + 44 tail), 77 (tail only), 384 (3 groups, empty tail); 2 splits; token-by-token writes."""
+    kt, device = dev
+    seed = _fresh_seed()
+    cache, q, kv = _build(kt, [300, 77, 384], seed, device, pieces=True)
+    assert cache.host_groups == [2, 0, 3] and cache.host_tail == [44, 77, 0]
+    where = f"lens [300, 77, 384], seed {seed}"
+    for rel, cos in _decode_check(kt, cache, q, kv, device, where, splits=2):
+        assert rel <= DECODE_BOUND, f"relative error {rel} (cosine {cos}) > {DECODE_BOUND}: {where}"
+
+
+def test_decode_negative_control_reader_without_rotation_fails(dev):
+    """The same check on a KVarN cache read as if unrotated (rotated=False) is far outside the bound."""
+    kt, device = dev
+    seed = _fresh_seed()
+    cache, q, kv = _build(kt, [256], seed, device, pieces=False)
+    cache.rotated = False
+    (rel, _), = _decode_check_no_ref_claim(kt, cache, q, kv, device)
+    assert rel > 100 * DECODE_BOUND, f"unrotated read passed ({rel}): the check would not catch it, seed {seed}"
+
+
+def _decode_check_no_ref_claim(kt, cache, q, kv, device):
+    """Errors vs the reference-dequantized attention only (for negative controls)."""
+    r = kt.reference
+    out = cache.decode(q.to(device), out=torch.full(q.shape, float("nan"), device=device)).cpu()
+    res = []
+    for s, (k, v) in enumerate(kv):
+        n = cache.host_groups[s] * 128
+        kd = torch.cat([r.roundtrip_cache(k[:n], r.K_BITS), k[n:]])
+        vd = torch.cat([r.roundtrip_cache(v[:n], r.V_BITS), v[n:]])
+        res.append(r.errors(r.attention(q[s:s + 1], kd, vd)[0], out[s]))
+    return res
+
+
+def test_decode_plain_rtn_layout(dev):
+    """The baseline layout (no rotation, channel scales 1) read with rotated=False matches its reference."""
+    kt, device = dev
+    r = kt.reference
+    seed = _fresh_seed()
+    q, k, v = r.synthetic(256, seed % 10_000, queries=1)
+    k, v = k[:200].half(), v[:200].half()
+    cache = kt.PagedKvarnCache(2, 1, 1, device=device, rotated=False)
+    cache.append(0, k.to(device), v.to(device))
+    out = cache.decode(q.to(device), out=torch.full(q.shape, float("nan"), device=device)).cpu()
+    kd = torch.cat([r.roundtrip_cache(k[:128].float(), 4, False, False), k[128:].float()])
+    vd = torch.cat([r.roundtrip_cache(v[:128].float(), 2, False, False), v[128:].float()])
+    rel, cos = r.errors(r.attention(q, kd, vd)[0], out[0])
+    assert rel <= DECODE_BOUND, f"plain RTN decode rel error {rel}, seed {seed}"
+
+
+# ----------------------------------------------------------------------------- GPU scale
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("length", [8192, 32768])
+def test_decode_gpu_scale_eight_sequences(length):
+    """8 sequences of ~length tokens (ragged), fp16 query, default splits: vs fp32 attention over the kernel's
+    own dequant (which the tests above hold to the reference), on the GPU."""
+    kt = _load()
+    seed = _fresh_seed()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lens = [length - 37 * i for i in range(8)]
+    cache = kt.PagedKvarnCache(sum(n // 128 + 1 for n in lens), 8, length // 128 + 1, device="cuda")
+    for s, n in enumerate(lens):
+        k = torch.randn(n, 4, 256, generator=g, device="cuda").half()
+        v = torch.randn(n, 4, 256, generator=g, device="cuda").half()
+        k[:, :, :4] *= 12
+        cache.append(s, k, v)
+    q = torch.randn(8, 24, 256, generator=g, device="cuda").half()
+    out = cache.decode(q, out=torch.full_like(q, float("nan")))
+    assert not out.isnan().any(), f"rows left unwritten, seed {seed}"
+    r = kt.reference
+    for s in range(8):
+        k, v = cache.context(s, torch.float32)
+        want = r.attention(q[s:s + 1].float().cpu(), k.cpu(), v.cpu())[0]
+        rel, cos = r.errors(want, out[s].float().cpu())
+        assert rel <= DECODE_BOUND, f"seq {s} ({lens[s]} tokens): rel error {rel}, seed {seed}"
