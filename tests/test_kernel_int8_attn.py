@@ -1,11 +1,12 @@
 """The int8-QK prefill attention (kernels/int8-prefill-attn): its pre-pass spec on CPU, its kernel on a GPU.
 
-CPU (everywhere, torch only — triton is not in the CPU lock and is not imported here): the torch
-pre-pass in reference.py against hand-checkable cases (blocks restart at each sequence's start,
-round half to even, the floor of an all-zero block, the smoothing mean per sequence and its
-summation order), bad inputs, and the numerical design — the kernel's arithmetic emulated in
-torch stays within the accuracy bound of the fp32 reference, and fails it with smoothing off on
-keys with outlier channels.
+CPU (everywhere, torch only — triton is not in the CPU lock; the one test of attn.py's call path
+imports it where it is installed and skips otherwise): the torch pre-pass in reference.py against
+hand-checkable cases (blocks restart at each sequence's start, round half to even, the floor of an
+all-zero block, the smoothing mean per sequence and its summation order), bad inputs, the numerical
+design — the kernel's arithmetic emulated in torch stays within the accuracy bound of the fp32
+reference, and fails it with smoothing off on keys with outlier channels — and that one call
+checks its inputs once.
 
 GPU (marked ``gpu``; skipped with the reason on a host without a CUDA device or triton): the
 Triton kernel through ``int8_prefill_attention`` against the fp32 reference — relative error
@@ -166,6 +167,34 @@ def test_design_without_smoothing_fails_the_bound_on_outliers():
                                  ref.default_sm_scale(q.shape[2]))
     err = ref.rel_err_per_head(emu, exact)
     assert err.min().item() > BOUND, f"relative error per head {err.tolist()}"
+
+
+def test_one_call_checks_its_inputs_once(monkeypatch):
+    """``int8_prefill_attention`` validates once, before anything runs: ``check_varlen`` once per call, the
+    pre-pass told so (``checked=True``: it does not run it again), the kernel launched on the pre-pass's
+    outputs without a second check; a bad v is refused before the pre-pass runs. On a CPU: attn.py is
+    imported (it needs triton: skipped without it), the pre-pass is the torch one, the launch a stand-in."""
+    pytest.importorskip("triton")
+    attn = _load("attn")
+    seen = []
+    check_varlen = ref.check_varlen
+    monkeypatch.setattr(ref, "check_varlen", lambda *a: (seen.append("check_varlen"), check_varlen(*a))[1])
+
+    def prepass(q, k, cu_seqlens, max_seqlen, checked=False):
+        seen.append(f"prepass checked={checked}")
+        return ref.smooth_quant(q, k, cu_seqlens, max_seqlen, checked=checked)
+
+    monkeypatch.setattr(attn, "prepass", lambda: prepass)
+    monkeypatch.setattr(attn, "_launch", lambda *args: seen.append("launch") or args[-1])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors pass the kernel's device check
+    q, k, v, cu = _inputs([5, 70], TINY, torch.bfloat16, False, seed=3)
+    out = torch.empty_like(q)
+    assert attn.int8_prefill_attention(q, k, v, cu, 70, out=out) is out
+    assert seen == ["check_varlen", "prepass checked=True", "launch"]
+    seen.clear()
+    with pytest.raises(ValueError, match="v must be contiguous"):
+        attn.int8_prefill_attention(q, k, v.transpose(0, 1).contiguous().transpose(0, 1), cu, 70)
+    assert seen == ["check_varlen"]
 
 
 # ----------------------------------------------------------------------------- GPU: the Triton kernel

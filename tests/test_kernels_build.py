@@ -466,6 +466,109 @@ def test_the_cuda_prepass_refuses_inputs_it_would_misread():
         cubin.smooth_quant(q, k, cu.long(), 4)
 
 
+class _FakeDriver:
+    """libcuda's calls cubin.py makes, recorded instead of run: the launches' grids and arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.names: dict[int, str] = {}
+
+    def cuCtxGetCurrent(self, cur):
+        cur._obj.value = 1234
+        self.calls.append(("cuCtxGetCurrent",))
+        return 0
+
+    def cuDeviceGet(self, dev, ordinal):
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, ctx, dev):
+        ctx._obj.value = 1234
+        return 0
+
+    def cuCtxSetCurrent(self, ctx):
+        return 0
+
+    def cuModuleLoadData(self, mod, image):
+        mod._obj.value = 7
+        self.calls.append(("cuModuleLoadData",))
+        return 0
+
+    def cuModuleGetFunction(self, fn, mod, name):
+        fn._obj.value = 100 + len(self.names)
+        self.names[fn._obj.value] = name.decode()
+        return 0
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        import ctypes
+
+        name = self.names[fn.value]
+        ints = 3  # every entry point ends with (heads, dim, block)
+        count = {"rig_sq_block_sums_bf16": 6, "rig_sq_k_mean": 6, "rig_sq_quant_bf16": 8}[name]
+        args = [ctypes.c_void_p.from_address(params[j]).value for j in range(count - ints)]
+        args += [ctypes.c_int.from_address(params[j]).value for j in range(count - ints, count)]
+        self.calls.append(("cuLaunchKernel", name, (gx, gy, gz), (bx, by, bz), shared, stream.value, args))
+        return 0
+
+
+def test_the_cuda_prepass_queues_its_four_kernels_with_the_arguments_smooth_quant_cu_takes(tmp_path, monkeypatch):
+    """Without a GPU: the driver recorded, not called. One context check and one module load for two
+    calls; per call block_sums -> k_mean -> quant(q) -> quant(k - mean) on torch's current stream, with
+    the grids and parameter order smooth_quant.cu declares, the workspace and mean passed along."""
+    torch = pytest.importorskip("torch")
+    import contextlib
+    import types
+
+    from rig.kernels import cubin
+
+    drv = _FakeDriver()
+    monkeypatch.setattr(cubin, "_driver", lambda: drv)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=4242))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    fatbin = tmp_path / "smooth_quant.fatbin"
+    fatbin.write_bytes(b"not a real fatbin: the driver is fake")
+    lens, hq, hkv, dim = [1, 64, 130], 6, 2, 128
+    tokens, block = sum(lens), 64
+    q, k = torch.zeros(tokens, hq, dim, dtype=torch.bfloat16), torch.zeros(tokens, hkv, dim, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 1, 65, 195], dtype=torch.int32)
+    first = ["cuCtxGetCurrent", "cuModuleLoadData", "cuCtxGetCurrent"]
+    for others in (first, ["cuCtxGetCurrent"]):
+        drv.calls.clear()
+        q_i8, q_scale, k_i8, k_scale = cubin.smooth_quant(q, k, cu, 130, fatbin=fatbin)
+        launches = [c for c in drv.calls if c[0] == "cuLaunchKernel"]
+        assert [c[0] for c in drv.calls if c[0] != "cuLaunchKernel"] == others
+        blocks, batch, threads = 3, 3, (128, 1, 1)
+        ptr = lambda t: t.data_ptr()  # noqa: E731
+        sums, mean, quant_q, quant_k = launches
+        assert sums[1:6] == ("rig_sq_block_sums_bf16", (blocks, hkv, batch), threads, 0, 4242)
+        assert sums[6][:2] == [ptr(k), ptr(cu)] and sums[6][3:] == [hkv, dim, block]
+        ws = sums[6][2]
+        assert mean[1:6] == ("rig_sq_k_mean", (hkv, batch, 1), threads, 0, 4242)
+        assert mean[6][:2] == [ptr(cu), ws] and mean[6][3:] == [hkv, dim, block]
+        k_mean = mean[6][2]
+        assert quant_q[1:6] == ("rig_sq_quant_bf16", (blocks, hq, batch), threads, 0, 4242)
+        assert quant_q[6] == [ptr(q), None, ptr(cu), ptr(q_i8), ptr(q_scale), hq, dim, block]
+        assert quant_k[1:6] == ("rig_sq_quant_bf16", (blocks, hkv, batch), threads, 0, 4242)
+        assert quant_k[6] == [ptr(k), k_mean, ptr(cu), ptr(k_i8), ptr(k_scale), hkv, dim, block]
+        assert len({ws, k_mean, ptr(q), ptr(k)}) == 4
+
+
+def test_a_checked_call_skips_only_what_its_caller_checked(monkeypatch):
+    """``checked=True`` (int8_prefill_attention ran check_varlen and the cu_seqlens checks): the pre-pass's
+    own checks still refuse a CPU tensor or a dtype it cannot read."""
+    torch = pytest.importorskip("torch")
+    from rig.kernels import cubin
+
+    q, k = torch.zeros(4, 2, 64, dtype=torch.bfloat16), torch.zeros(4, 1, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q is on cpu: the CUDA pre-pass runs on a CUDA device"):
+        cubin.smooth_quant(q, k, cu, 4, checked=True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    with pytest.raises(ValueError, match="q and k must both be bfloat16 or both float16"):
+        cubin.smooth_quant(q.float(), k, cu, 4, checked=True)
+
+
 def _fatbin_for_gpu(tmp_path: Path, arch: str) -> Path:
     """A fatbin to test: built here when nvcc is present, else the build folder's when its CUDA part is
     fresh for ``arch`` (a GPU host without nvcc runs a build carried from one with it)."""

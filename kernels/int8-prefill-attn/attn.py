@@ -186,8 +186,26 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _check_attention(v: torch.Tensor, cu_seqlens: torch.Tensor, q_shape: torch.Size,
+                     out: torch.Tensor | None) -> None:
+    """What the attention kernel needs beyond ``reference.check_varlen`` (which put q, k, v and
+    cu_seqlens on one device): v's dtype, the head_dim, v and cu_seqlens contiguous on a CUDA
+    device, and ``out`` when given. Refused with the tensor's name (the kernel itself cannot check)."""
+    if v.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"v must be bfloat16 or float16; got {v.dtype}")
+    if q_shape[2] not in HEAD_DIMS:
+        raise ValueError(f"head_dim {q_shape[2]} is not supported (one of {HEAD_DIMS})")
+    for name, t in (("v", v), ("cu_seqlens", cu_seqlens)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernel derives its strides from the head counts)")
+        if not (t.is_cuda or _interpreting()):
+            raise ValueError(f"{name} is on {t.device}: the kernel runs on a CUDA device")
+    if out is not None and (out.shape != q_shape or out.dtype != v.dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be contiguous {v.dtype} {tuple(q_shape)}; got {out.dtype} {tuple(out.shape)}")
+
+
 def _check_quantized(q_i8: torch.Tensor, q_scale: torch.Tensor, k_i8: torch.Tensor, k_scale: torch.Tensor,
-                     v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
+                     v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, out: torch.Tensor | None) -> None:
     """Refuse inputs the kernel would misread, naming the tensor (the kernel itself cannot check)."""
     reference.check_varlen(q_i8, k_i8, v, cu_seqlens, max_seqlen)
     expected = {"q_i8": (q_i8, torch.int8, q_i8.shape), "k_i8": (k_i8, torch.int8, k_i8.shape),
@@ -196,23 +214,37 @@ def _check_quantized(q_i8: torch.Tensor, q_scale: torch.Tensor, k_i8: torch.Tens
     for name, (t, dtype, shape) in expected.items():
         if t.dtype != dtype or t.shape != shape:
             raise ValueError(f"{name} must be {dtype} {tuple(shape)}; got {t.dtype} {tuple(t.shape)}")
-    if v.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"v must be bfloat16 or float16; got {v.dtype}")
-    if q_i8.shape[2] not in HEAD_DIMS:
-        raise ValueError(f"head_dim {q_i8.shape[2]} is not supported (one of {HEAD_DIMS})")
-    for name, t in (("q_i8", q_i8), ("q_scale", q_scale), ("k_i8", k_i8), ("k_scale", k_scale), ("v", v),
-                    ("cu_seqlens", cu_seqlens)):
+    _check_attention(v, cu_seqlens, q_i8.shape, out)
+    for name, t in (("q_i8", q_i8), ("q_scale", q_scale), ("k_i8", k_i8), ("k_scale", k_scale)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (the kernel derives its strides from the head counts)")
         if not (t.is_cuda or _interpreting()):
             raise ValueError(f"{name} is on {t.device}: the kernel runs on a CUDA device")
 
 
+@functools.cache
 def _family_of(device: torch.device) -> str:
-    """The TILES family of a tensor's device (sm86 under the CPU interpreter)."""
+    """The TILES family of a tensor's device (sm86 under the CPU interpreter); looked up once per device."""
     if device.type != "cuda":
         return "sm86"
     return arch_family(torch.cuda.get_device_capability(device))
+
+
+def _launch(q_i8: torch.Tensor, q_scale: torch.Tensor, k_i8: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor,
+            cu_seqlens: torch.Tensor, max_seqlen: int, sm_scale: float, out: torch.Tensor | None) -> torch.Tensor:
+    """The attention kernel on inputs already checked (``_check_quantized``, or ``int8_prefill_attention``'s checks)."""
+    tokens, hq, head_dim = q_i8.shape
+    if out is None:
+        out = torch.empty(tokens, hq, head_dim, dtype=v.dtype, device=v.device)
+    if tokens == 0:
+        return out
+    t = tiles_for(_family_of(v.device), head_dim)  # not cached: the bench's --sweep-tiles edits TILES
+    grid = (triton.cdiv(int(max_seqlen), t.block_m), hq, cu_seqlens.numel() - 1)
+    with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
+        _attn_fwd[grid](q_i8, q_scale, k_i8, k_scale, v, out, cu_seqlens, float(sm_scale) * LOG2E,
+                        NUM_Q_HEADS=hq, NUM_KV_HEADS=k_i8.shape[1], HEAD_DIM=head_dim,
+                        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
 
 
 def attn_int8(q_i8: torch.Tensor, q_scale: torch.Tensor, k_i8: torch.Tensor, k_scale: torch.Tensor,
@@ -222,21 +254,8 @@ def attn_int8(q_i8: torch.Tensor, q_scale: torch.Tensor, k_i8: torch.Tensor, k_s
 
     ``max_seqlen`` must be at least the longest sequence: rows past it are not computed.
     """
-    _check_quantized(q_i8, q_scale, k_i8, k_scale, v, cu_seqlens, max_seqlen)
-    tokens, hq, head_dim = q_i8.shape
-    if out is None:
-        out = torch.empty(tokens, hq, head_dim, dtype=v.dtype, device=v.device)
-    elif out.shape != q_i8.shape or out.dtype != v.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous {v.dtype} {tuple(q_i8.shape)}; got {out.dtype} {tuple(out.shape)}")
-    if tokens == 0:
-        return out
-    t = tiles_for(_family_of(v.device), head_dim)
-    grid = (triton.cdiv(int(max_seqlen), t.block_m), hq, cu_seqlens.numel() - 1)
-    with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
-        _attn_fwd[grid](q_i8, q_scale, k_i8, k_scale, v, out, cu_seqlens, float(sm_scale) * LOG2E,
-                        NUM_Q_HEADS=hq, NUM_KV_HEADS=k_i8.shape[1], HEAD_DIM=head_dim,
-                        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages)
-    return out
+    _check_quantized(q_i8, q_scale, k_i8, k_scale, v, cu_seqlens, max_seqlen, out)
+    return _launch(q_i8, q_scale, k_i8, k_scale, v, cu_seqlens, max_seqlen, sm_scale, out)
 
 
 def _cuda_prepass() -> Callable | None:
@@ -267,11 +286,17 @@ def prepass() -> Callable:
 def int8_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                            max_seqlen: int, sm_scale: float | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal varlen GQA prefill attention: smooth + quantize Q/K to int8 per block, then ``attn_int8``."""
+    """Causal varlen GQA prefill attention: smooth + quantize Q/K to int8 per block, then the attention.
+
+    Inputs are checked once, before anything is launched: ``check_varlen`` and the attention's
+    needs here, what only the pre-pass needs inside it (``checked=True``: not ``check_varlen`` again);
+    the pre-pass's outputs go to the kernel unchecked (they are made to its contract).
+    """
     reference.check_varlen(q, k, v, cu_seqlens, max_seqlen)
+    _check_attention(v, cu_seqlens, q.shape, out)
     scale = reference.default_sm_scale(q.shape[2]) if sm_scale is None else sm_scale
-    q_i8, q_scale, k_i8, k_scale = prepass()(q, k, cu_seqlens, max_seqlen)
-    return attn_int8(q_i8, q_scale, k_i8, k_scale, v, cu_seqlens, max_seqlen, scale, out=out)
+    q_i8, q_scale, k_i8, k_scale = prepass()(q, k, cu_seqlens, max_seqlen, checked=True)
+    return _launch(q_i8, q_scale, k_i8, k_scale, v, cu_seqlens, max_seqlen, scale, out)
 
 
 def warmup(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

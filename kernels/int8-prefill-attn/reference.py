@@ -145,15 +145,17 @@ def quantize_blocks(x: torch.Tensor, cu_seqlens: torch.Tensor, block: int = QUAN
 
 
 def smooth_quant(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                 block: int = QUANT_BLOCK,
-                 smooth: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 block: int = QUANT_BLOCK, smooth: bool = True,
+                 checked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pre-pass: (q_i8 [T,Hq,D], q_scale fp32 [T,Hq], k_i8 [T,Hkv,D], k_scale fp32 [T,Hkv]).
 
     ``smooth=False`` skips the K mean (the tests' negative control: outlier channels then stretch
     every block's scale); the kernel path always smooths. ``max_seqlen`` is accepted for the
-    shared signature and checked, not needed here.
+    shared signature and checked, not needed here. ``checked``: the caller has run
+    ``check_varlen`` on these inputs already (``attn.int8_prefill_attention`` does, once per call).
     """
-    check_varlen(q, k, None, cu_seqlens, max_seqlen)
+    if not checked:
+        check_varlen(q, k, None, cu_seqlens, max_seqlen)
     if block < 1:
         raise ValueError(f"block must be >= 1; got {block}")
     where = _token_blocks(cu_seqlens, block)

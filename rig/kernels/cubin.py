@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rig.kernels import ENV_BUILD, build_folder
 
 KERNEL = "int8-prefill-attn"
 FATBIN = "fat/smooth_quant.fatbin"
@@ -100,23 +104,35 @@ class Module:
         if cur.value != ctx.value:
             _check(_driver().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
+    def functions(self, device: int, names: Sequence[str]) -> tuple[ctypes.c_void_p, ...]:
+        """The entry points ``names`` (extern "C" kernels) in ``device``'s copy of the module, with that
+        device's context made current on this thread: one bind for all the launches of a call."""
+        mod, fns = self._bind(device)
+        for name in names:
+            if name not in fns:
+                fn = ctypes.c_void_p()
+                _check(_driver().cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()),
+                       f"cuModuleGetFunction({self.label}: {name})")
+                fns[name] = fn
+        return tuple(fns[name] for name in names)
+
     def function(self, device: int, name: str) -> ctypes.c_void_p:
         """The entry point ``name`` (an extern "C" kernel) in ``device``'s copy of the module."""
-        mod, fns = self._bind(device)
-        if name not in fns:
-            fn = ctypes.c_void_p()
-            _check(_driver().cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()),
-                   f"cuModuleGetFunction({self.label}: {name})")
-            fns[name] = fn
-        return fns[name]
+        return self.functions(device, (name,))[0]
 
     def launch(self, device: int, name: str, grid: Sequence[int], block: Sequence[int], args: Sequence[Any],
                stream: int) -> None:
         """Queue kernel ``name`` on ``stream``; ``args`` are ctypes values in the kernel's parameter order."""
-        fn = self.function(device, name)
-        params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-        _check(_driver().cuLaunchKernel(fn, *grid, *block, 0, ctypes.c_void_p(stream), params, None),
-               f"cuLaunchKernel({self.label}: {name}, grid {tuple(grid)}, block {tuple(block)})")
+        launch(self.function(device, name), grid, block, args, ctypes.c_void_p(stream), f"{self.label}: {name}")
+
+
+def launch(fn: ctypes.c_void_p, grid: Sequence[int], block: Sequence[int], args: Sequence[Any],
+           stream: ctypes.c_void_p, label: str) -> None:
+    """Queue the kernel ``fn`` (from ``Module.functions``, whose device context is current) on ``stream``."""
+    params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+    result = _driver().cuLaunchKernel(fn, *grid, *block, 0, stream, params, None)
+    if result:
+        _check(result, f"cuLaunchKernel({label}, grid {tuple(grid)}, block {tuple(block)})")
 
 
 @functools.cache
@@ -147,12 +163,18 @@ def _reference():
     return load(KERNEL, "reference")
 
 
-def _check_inputs(q, k, cu_seqlens, max_seqlen: int, block: int) -> None:
-    """Refuse what the CUDA pre-pass would misread, naming the tensor (a kernel cannot raise)."""
+def check_inputs(q, k, cu_seqlens, max_seqlen: int, block: int, *, varlen: bool = True) -> None:
+    """Refuse what the CUDA pre-pass would misread, naming the tensor (a kernel cannot raise).
+
+    ``varlen=False``: the caller has already run ``reference.check_varlen`` on these inputs and checked
+    that ``cu_seqlens`` is contiguous on the CUDA device (``int8_prefill_attention`` does, once per
+    call); only what this kernel needs beyond that is checked here.
+    """
     import torch
 
-    _reference().check_varlen(q, k, None, cu_seqlens, max_seqlen)
-    for name, t in (("q", q), ("k", k), ("cu_seqlens", cu_seqlens)):
+    if varlen:
+        _reference().check_varlen(q, k, None, cu_seqlens, max_seqlen)
+    for name, t in (("q", q), ("k", k), ("cu_seqlens", cu_seqlens)) if varlen else (("q", q), ("k", k)):
         if not t.is_cuda:
             raise ValueError(f"{name} is on {t.device}: the CUDA pre-pass runs on a CUDA device")
         if not t.is_contiguous():
@@ -181,45 +203,109 @@ def _outputs(q, k, out):
     return tuple(out)
 
 
+@functools.cache
+def _fatbin_at(build_env: str | None, state_env: str | None, cwd: str | None) -> str:
+    """The build's fatbin path for these values of the variables that move it (and the working
+    directory, when one of them is relative)."""
+    return str((build_folder(KERNEL) / FATBIN).absolute())
+
+
+def default_fatbin() -> str:
+    """The fatbin ``inv kernels.build`` made, resolved once per value of ``VLLM_RIG_KERNELS_BUILD`` and
+    ``RIG_STATE_DIR`` (the pre-pass runs once per attention layer per prefill step; resolving the
+    state folder is a realpath of its own)."""
+    build, state = os.environ.get(ENV_BUILD), os.environ.get("RIG_STATE_DIR")
+    relative = any(v and not os.path.isabs(v) for v in (build, state))
+    return _fatbin_at(build, state, os.getcwd() if relative else None)
+
+
+@dataclass
+class Prepared:
+    """One pre-pass call made ready: its outputs and workspace allocated, the entry points found in
+    the device's copy of the module (whose context is current), the stream. ``launch_mean`` then
+    ``launch_quant`` queue its four kernels; they are separate so a profile can time each."""
+
+    q: Any
+    k: Any
+    cu_seqlens: Any
+    outputs: tuple
+    ws: Any
+    mean: Any
+    fns: tuple  # block_sums, k_mean, quant: handles for q's dtype
+    stream: ctypes.c_void_p
+    block: int
+    blocks: int
+    threads: tuple[int, int, int]
+    label: str
+
+    def launch_mean(self) -> None:
+        """K's per-sequence channel means into ``mean``: block sums, then their ordered total / length."""
+        p, i = (lambda t: ctypes.c_void_p(t.data_ptr())), ctypes.c_int
+        hkv, dim, batch = self.k.shape[1], self.k.shape[2], self.cu_seqlens.numel() - 1
+        sums, k_mean, _ = self.fns
+        launch(sums, (self.blocks, hkv, batch), self.threads,
+               [p(self.k), p(self.cu_seqlens), p(self.ws), i(hkv), i(dim), i(self.block)], self.stream,
+               f"{self.label}: block_sums")
+        launch(k_mean, (hkv, batch, 1), self.threads,
+               [p(self.cu_seqlens), p(self.ws), p(self.mean), i(hkv), i(dim), i(self.block)], self.stream,
+               f"{self.label}: k_mean")
+
+    def launch_quant(self) -> None:
+        """Q, then K minus its mean, to int8 per block with the block's scale (after ``launch_mean``)."""
+        p, i = (lambda t: ctypes.c_void_p(t.data_ptr())), ctypes.c_int
+        q_i8, q_scale, k_i8, k_scale = self.outputs
+        dim, batch = self.q.shape[2], self.cu_seqlens.numel() - 1
+        quant = self.fns[2]
+        for x, mean, x_i8, scale in ((self.q, ctypes.c_void_p(None), q_i8, q_scale),
+                                     (self.k, p(self.mean), k_i8, k_scale)):
+            heads = x.shape[1]
+            launch(quant, (self.blocks, heads, batch), self.threads,
+                   [p(x), mean, p(self.cu_seqlens), p(x_i8), p(scale), i(heads), i(dim), i(self.block)],
+                   self.stream, f"{self.label}: quant")
+
+
+def prepare(q, k, cu_seqlens, max_seqlen: int, block: int, out: Sequence | None = None,
+            fatbin: Path | str | None = None) -> Prepared:
+    """Everything before the launches of one (checked, non-empty) pre-pass call; run it with
+    ``torch.cuda.device(q.device)`` entered, as ``smooth_quant`` does (binding sets the driver context)."""
+    import torch
+
+    tokens, _, dim = q.shape
+    hkv, batch = k.shape[1], cu_seqlens.numel() - 1
+    outputs = _outputs(q, k, out)
+    mod = module(str(fatbin) if fatbin is not None else default_fatbin())
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    suffix = "bf16" if q.dtype == torch.bfloat16 else "f16"
+    fns = mod.functions(dev, (f"rig_sq_block_sums_{suffix}", "rig_sq_k_mean", f"rig_sq_quant_{suffix}"))
+    ws = torch.empty(tokens // block + batch, hkv, dim, dtype=torch.float32, device=q.device)
+    mean = torch.empty(batch, hkv, dim, dtype=torch.float32, device=q.device)
+    stream = ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream)
+    return Prepared(q, k, cu_seqlens, outputs, ws, mean, fns, stream, block,
+                    blocks=(int(max_seqlen) + block - 1) // block, threads=(min(256, (dim + 31) // 32 * 32), 1, 1),
+                    label=mod.label)
+
+
 def smooth_quant(q, k, cu_seqlens, max_seqlen: int, block: int | None = None, out: Sequence | None = None,
-                 fatbin: Path | None = None):
+                 fatbin: Path | None = None, *, checked: bool = False):
     """The pre-pass on the GPU: (q_i8 [T,Hq,D], q_scale fp32 [T,Hq], k_i8 [T,Hkv,D], k_scale fp32 [T,Hkv]).
 
     Bit-for-bit ``reference.smooth_quant`` (tests/test_kernels_build.py checks it on a GPU).
     ``max_seqlen`` must be at least the longest sequence (tokens past it are not written);
     ``out`` takes the four output tensors to write into; ``fatbin`` defaults to the build's.
+    ``checked``: the caller has run ``reference.check_varlen`` and checked ``cu_seqlens``
+    (``check_inputs(varlen=False)`` says what); the rest is checked here either way.
     """
     import torch
 
     block = _reference().QUANT_BLOCK if block is None else int(block)
-    _check_inputs(q, k, cu_seqlens, max_seqlen, block)
-    q_i8, q_scale, k_i8, k_scale = _outputs(q, k, out)
-    tokens, hq, dim = q.shape
-    if tokens == 0:
-        return q_i8, q_scale, k_i8, k_scale
-    hkv, batch = k.shape[1], cu_seqlens.numel() - 1
-    from rig.kernels import build_folder
-
-    mod = module(str(fatbin or build_folder(KERNEL) / FATBIN))
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    ws = torch.empty(tokens // block + batch, hkv, dim, dtype=torch.float32, device=q.device)
-    mean = torch.empty(batch, hkv, dim, dtype=torch.float32, device=q.device)
-    suffix = "bf16" if q.dtype == torch.bfloat16 else "f16"
-    threads = (min(256, (dim + 31) // 32 * 32), 1, 1)
-    blocks = (int(max_seqlen) + block - 1) // block
-    p, i = (lambda t: ctypes.c_void_p(t.data_ptr())), ctypes.c_int
-    null = ctypes.c_void_p(None)
+    check_inputs(q, k, cu_seqlens, max_seqlen, block, varlen=not checked)
+    if q.shape[0] == 0:
+        return _outputs(q, k, out)
     with torch.cuda.device(q.device):
-        stream = torch.cuda.current_stream(q.device).cuda_stream
-        mod.launch(dev, f"rig_sq_block_sums_{suffix}", (blocks, hkv, batch), threads,
-                   [p(k), p(cu_seqlens), p(ws), i(hkv), i(dim), i(block)], stream)
-        mod.launch(dev, "rig_sq_k_mean", (hkv, batch, 1), threads,
-                   [p(cu_seqlens), p(ws), p(mean), i(hkv), i(dim), i(block)], stream)
-        mod.launch(dev, f"rig_sq_quant_{suffix}", (blocks, hq, batch), threads,
-                   [p(q), null, p(cu_seqlens), p(q_i8), p(q_scale), i(hq), i(dim), i(block)], stream)
-        mod.launch(dev, f"rig_sq_quant_{suffix}", (blocks, hkv, batch), threads,
-                   [p(k), p(mean), p(cu_seqlens), p(k_i8), p(k_scale), i(hkv), i(dim), i(block)], stream)
-    return q_i8, q_scale, k_i8, k_scale
+        call = prepare(q, k, cu_seqlens, max_seqlen, block, out, fatbin)
+        call.launch_mean()
+        call.launch_quant()
+    return call.outputs
 
 
 def smooth_quant_or_none(kernel: str = KERNEL) -> Callable | None:
@@ -231,7 +317,7 @@ def smooth_quant_or_none(kernel: str = KERNEL) -> Callable | None:
     """
     import torch
 
-    from rig.kernels import build_folder, manifest
+    from rig.kernels import manifest
 
     if kernel != KERNEL or not torch.cuda.is_available():
         return None
