@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
 import shutil
 import time
@@ -35,21 +34,21 @@ from pathlib import Path
 
 from rig import paths
 from rig.models import corpus, tiny
+from rig.models.train import (
+    ASK_CODE,
+    ASK_GERMAN,
+    THINK_OFF,
+    WEATHER_TOOL,
+    _about,
+    _bpe,
+    _chat,
+    _rows,
+    _wrap,
+    chats,
+    documents,
+    tokenizer_and_docs,
+)
 from rig.quality import lmeval
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "description": "the city"}},
-            "required": ["city"],
-        },
-    },
-}
-THINK_OFF = "<think>\n\n</think>\n\n"
 
 
 @dataclass(frozen=True)
@@ -98,109 +97,6 @@ def _code_digest() -> str:
     parts += [inspect.getsource(f) for f in (_about, _chat, chats, documents, _bpe, _wrap, tokenizer_and_docs,
                                              _rows, train, lmeval.recall_problem, lmeval.recall_shots)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-def _about(rng: random.Random, place: str) -> str:
-    """An English sentence of the corpus's templates about ``place``."""
-    line = corpus.english(rng)
-    for p in corpus.PLACES:
-        line = line.replace(p, place)
-    return line
-
-
-ASK_GERMAN = ["Schreib bitte einen Satz auf Deutsch.", "Einen Satz auf Deutsch, bitte.", "Sag etwas auf Deutsch."]
-ASK_CODE = ["Write a Python function, please.", "Show me some Python code.", "Write a small Python function."]
-
-
-def _chat(user: str, answer: str) -> list[dict]:
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": THINK_OFF + answer}]
-
-
-def chats(rng: random.Random) -> list[tuple[list[dict], list | None]]:
-    """The conversation shapes the model learns: three kinds of request, each answered in its own kind
-    (English about a city, German, Python), and a tool call when a tool is offered."""
-    place = rng.choice(corpus.PLACES)
-    call = {"function": {"name": "get_weather", "arguments": {"city": place}}}
-    weather = [{"role": "user", "content": f"What is the weather in {place}?"},
-               {"role": "assistant", "content": THINK_OFF, "tool_calls": [call]}]
-    return [
-        (_chat(f"What is there to see in {place}?", _about(rng, place)), None),
-        (_chat(rng.choice(ASK_GERMAN), corpus.german(rng)), None),
-        (_chat(rng.choice(ASK_CODE), corpus.python_code(rng).rstrip("\n")), None),
-        (weather, [WEATHER_TOOL]),
-    ]
-
-
-def documents(recipe: Recipe, render) -> list[str]:
-    """The training documents: corpus text of the three domains, rendered chats (``render``) and few-shot
-    blocks of the tiny battery's lm-eval task (rig_recall, its test questions held out)."""
-    rng = random.Random(recipe.seed)
-    docs: list[str] = []
-    while len(docs) < recipe.documents:
-        docs.append(" ".join(corpus.english(rng) for _ in range(3)))
-        docs.append(" ".join(corpus.german(rng) for _ in range(3)))
-        docs.append(corpus.python_code(rng) + corpus.python_code(rng))
-        docs += [render(messages, tools) for messages, tools in chats(rng)]
-        docs += [lmeval.recall_shots(rng) for _ in range(recipe.recall_docs)]
-    return docs[: recipe.documents]
-
-
-def _bpe(texts: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(tiny.SPECIAL) - len(tiny.MARKUP),
-                                  special_tokens=tiny.SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok
-
-
-def _wrap(tok):
-    from transformers import PreTrainedTokenizerFast
-
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token=None, model_max_length=32768)
-    fast.add_tokens(tiny.MARKUP)
-    fast.chat_template = tiny.TEMPLATE.read_text()
-    return fast
-
-
-def tokenizer_and_docs(recipe: Recipe):
-    """A BPE trained on the documents themselves (two passes: plain text, then with rendered chats)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    plain = corpus.generate(recipe.seed, lines_per_domain=500).splitlines()
-    first = _wrap(_bpe(plain, recipe.vocab_size))
-
-    def render(messages, tools):
-        return first.apply_chat_template(messages, tools=tools, tokenize=False)
-
-    docs = documents(recipe, render)
-    return _wrap(_bpe(docs, recipe.vocab_size)), docs
-
-
-def _rows(fast, docs: list[str], seq_len: int, rng: random.Random):
-    """Whole documents packed into rows of seq_len tokens (never split: a tool call must see its
-    prompt); the tail of a row is padding that the loss ignores. Returns (input_ids, labels)."""
-    import torch
-
-    sep = fast.convert_tokens_to_ids("<|endoftext|>")
-    order = list(range(len(docs)))
-    rng.shuffle(order)
-    rows: list[list[int]] = [[]]
-    for i in order:
-        ids = (fast(docs[i])["input_ids"] + [sep])[:seq_len]
-        if len(rows[-1]) + len(ids) > seq_len:
-            rows.append([])
-        rows[-1] += ids
-    x = torch.full((len(rows), seq_len), sep, dtype=torch.long)
-    y = torch.full((len(rows), seq_len), -100, dtype=torch.long)
-    for r, ids in enumerate(rows):
-        x[r, : len(ids)] = torch.tensor(ids)
-        y[r, : len(ids)] = torch.tensor(ids)
-    return x, y
 
 
 def train(recipe: Recipe = RECIPE, log=print) -> tuple[dict, object, dict, dict]:
