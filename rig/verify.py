@@ -274,12 +274,16 @@ class KnownAnswer:
 
 
 def known_answers() -> dict[str, KnownAnswer]:
-    """By model folder name. The trained control (rig.quality.controls) learned to call get_weather with the
-    city it is asked about; the real checkpoint must know the capital of France (not yet run on one)."""
+    """By model folder name. The trained tiny models (the embedded default, rig.models.train, and the quality
+    battery's dense control) learned to call get_weather with the city they are asked about; the real
+    checkpoint must know the capital of France (not yet run on one)."""
+    from rig.models import train
     from rig.quality import controls
 
+    weather = KnownAnswer("What is the weather in Lima?", "Lima", train.WEATHER_TOOL, "city")
     return {
-        controls.RECIPE.name: KnownAnswer("What is the weather in Lima?", "Lima", controls.WEATHER_TOOL, "city"),
+        controls.RECIPE.name: weather,
+        (paths.ROOT / train.load_recipe(train.DEFAULT_RECIPE).output).name: weather,
         "Qwen3.8-27B-W4A16-AutoRound": KnownAnswer("What is the capital of France? Answer in one word.", "Paris"),
     }
 

@@ -5,9 +5,8 @@ fails it.
 
 The tiny hybrid has random weights: its perplexity sits near the uniform 2,048, and a damaged copy moves it
 *toward* uniform, so on it the relative gate cannot tell good from broken (the test prints that figure too).
-The gate's proof therefore runs on rig's trained control (``rig.quality.controls``, dense), where
-perplexity means something; the hybrid proves the architecture: GDN + attention blocks tuned, exported and
-served.
+The gate's proof therefore runs on the trained tiny hybrid (``rig.models.train``, the embedded default), where
+perplexity means something; the random hybrid adds tuned mode: GDN + attention blocks tuned, exported and served.
 """
 
 from __future__ import annotations
@@ -133,19 +132,19 @@ def _pinned(package: str) -> str:
 
 @pytest.fixture(scope="module")
 def trained_model() -> Path:
-    from rig.quality import controls
+    from rig.models import train
 
-    return controls.trained()
+    return train.served_copy()
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, tiny_model, trained_model) -> dict[str, Path]:
-    """The tiny hybrid in RTN and tuned mode, the trained control in RTN, through `inv model.quantize`'s code."""
+    """The random tiny hybrid in RTN and tuned mode, the trained one in RTN, through `inv model.quantize`'s code."""
     root = tmp_path_factory.mktemp("quantized")
     out = {}
     for label, recipe, model in [("hybrid-rtn", "w4a16-rtn", "tiny:hybrid"),
                                  ("hybrid-tuned", "w4a16-tiny-tuned", "tiny:hybrid"),
-                                 ("dense-rtn", "w4a16-rtn", str(trained_model))]:
+                                 ("trained-rtn", "w4a16-rtn", str(trained_model))]:
         out[label] = q.quantize(q.recipe_file(recipe), model, root / label)
     return out
 
@@ -187,11 +186,11 @@ def test_exports_carry_the_inc_config_the_real_checkpoints_layout_and_their_reco
                 names |= set(f.keys())
         assert "model.layers.0.mlp.gate_proj.qweight" in names and "lm_head.weight" in names
         assert "model.embed_tokens.weight" in names
-        if label.startswith("hybrid"):
-            assert "model.layers.3.self_attn.q_proj.qweight" in names  # the full-attention block, quantized
-            assert "model.layers.0.linear_attn.in_proj_qkv.qweight" in names
-            assert "model.layers.0.linear_attn.in_proj_a.weight" in names
-            assert "mtp.layers.0.mlp.gate_proj.weight" in names and "mtp.fc.weight" in names
+        # every export is of the hybrid architecture (random or trained weights)
+        assert "model.layers.3.self_attn.q_proj.qweight" in names  # the full-attention block, quantized
+        assert "model.layers.0.linear_attn.in_proj_qkv.qweight" in names
+        assert "model.layers.0.linear_attn.in_proj_a.weight" in names
+        assert "mtp.layers.0.mlp.gate_proj.weight" in names and "mtp.fc.weight" in names
         rec = q.record(folder)
         assert rec["versions"]["auto-round"] == _pinned("auto-round")
         src = tiny_model if label.startswith("hybrid") else trained_model
@@ -303,8 +302,8 @@ def test_vllm_serves_the_exports_and_the_relative_perplexity_gate_holds_w4a16_an
     models = {"hybrid-bf16": tiny_model, "hybrid-rtn": exports["hybrid-rtn"],
               "hybrid-tuned": exports["hybrid-tuned"],
               "hybrid-broken": _doubled_scales_copy(exports["hybrid-rtn"], tmp_path / "hybrid-broken"),
-              "dense-bf16": trained_model, "dense-rtn": exports["dense-rtn"],
-              "dense-broken": _doubled_scales_copy(exports["dense-rtn"], tmp_path / "dense-broken")}
+              "trained-bf16": trained_model, "trained-rtn": exports["trained-rtn"],
+              "trained-broken": _doubled_scales_copy(exports["trained-rtn"], tmp_path / "trained-broken")}
     got = {label: _measure(folder, tmp_path) for label, folder in models.items()}
     print(f"\nrelative perplexity gate (quality/gates.toml, profile batch): <= +{limit}% vs bf16; "
           "corpus suite of the tiny battery, CPU, eager")
@@ -317,9 +316,9 @@ def test_vllm_serves_the_exports_and_the_relative_perplexity_gate_holds_w4a16_an
     for label, m in got.items():
         assert m["tokens"] >= 1 and m["text"], label  # served and answered
         assert m["inc"] == ("bf16" not in label), label  # quantized ones load through vLLM's INC path
-    # the gate's proof, on the trained control: W4A16 within it, the broken copy of the same export not
-    assert change["dense-rtn"] <= limit, change
-    assert change["dense-broken"] > limit, change
+    # the gate's proof, on the trained hybrid: W4A16 within it, the broken copy of the same export not
+    assert change["trained-rtn"] <= limit, change
+    assert change["trained-broken"] > limit, change
     # the hybrid (random weights): both W4A16 exports within the gate; its broken figure is printed only,
     # since on a near-uniform model a damaged copy can read *lower* (module docstring)
     assert change["hybrid-rtn"] <= limit and change["hybrid-tuned"] <= limit, change

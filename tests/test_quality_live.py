@@ -1,10 +1,11 @@
 """The battery against real CPU vLLM servers: it fails a random model, passes a trained one, catches a
 degraded copy, and refuses a server whose cache settings would corrupt perplexity.
 
-Servers: the session's ``batch_server`` (random tiny hybrid; on CPU its settings equal the quality
-overlay's, so it is measured, not refused), the trained model and its degraded copy (each started by
-the battery itself with the quality overlay), one eager server with prefix caching on (refused), and
-one the battery starts and that is killed after its first component (a partial result, exit 1).
+Servers: the session's ``batch_server`` (the trained tiny hybrid, the positive control: what `serve` runs on
+a CPU host; on CPU its settings equal the quality overlay's, so it is measured, not refused), the random tiny
+hybrid (the negative control) and the trained model's degraded copy (each started by the battery itself with
+the quality overlay), one eager server with prefix caching on (refused), and one the battery starts and that
+is killed after its first component (a partial result, exit 1).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rig.models import train
 from rig.plan import Plan, resolve
 from rig.quality import battery, controls, digest, suite
 from rig.quality.client import Client
@@ -42,14 +44,15 @@ FLOORS = suite.resolve("tiny").floors
 
 @pytest.fixture(scope="module")
 def trained_model() -> Path:
-    return controls.trained()
+    """The models folder's verified copy of the committed trained hybrid (the degraded copy is written beside
+    it, never into the checkout)."""
+    return train.served_copy()
 
 
 @pytest.fixture(scope="module")
-def random_result(batch_server, session_tmp) -> dict:
-    plan = _plan(session_tmp, SERVED_NAME=batch_server.served_name)
-    return battery.run(plan, "tiny", url=batch_server.url, key=batch_server.api_key,
-                       results_root=session_tmp / "results")
+def random_result(session_tmp) -> dict:
+    plan = _plan(session_tmp, MODEL="tiny:hybrid", SERVED_NAME="rig-random")
+    return battery.run(plan, "tiny", results_root=session_tmp / "results")
 
 
 @pytest.fixture(scope="module")
@@ -58,36 +61,37 @@ def reference_file(session_tmp) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained_result(trained_model, session_tmp, reference_file) -> dict:
-    plan = _plan(session_tmp, MODEL=str(trained_model), SERVED_NAME="rig-trained")
-    return battery.run(plan, "tiny", save_reference=True, reference=reference_file,
-                       results_root=session_tmp / "results")
+def trained_result(batch_server, session_tmp, reference_file) -> dict:
+    plan = _plan(session_tmp, SERVED_NAME=batch_server.served_name)  # the cpu overlay's MODEL, as it serves
+    return battery.run(plan, "tiny", url=batch_server.url, key=batch_server.api_key, save_reference=True,
+                       reference=reference_file, results_root=session_tmp / "results")
 
 
 def test_random_model_fails_every_absolute_floor(random_result):
     g = _gates(random_result)
-    assert random_result["server"]["started_by"] == "external"
+    assert random_result["server"]["started_by"] == "rig"
     assert not g["garbage.greedy"] and not g["garbage.sampled"]
     assert not g["ppl.overall.absolute"] and random_result["perplexity"]["overall"] > FLOORS.ppl_max
-    assert FLOORS.lmeval_min is None  # the tiny task's floor is its format (quality/gates.toml says why)
+    assert not g["lmeval.absolute"] and random_result["lmeval"]["score"] < FLOORS.lmeval_min
     assert not g["lmeval.format"] and random_result["lmeval"]["format_pct"] < FLOORS.lmeval_format_min
     assert not g["ppl.overall.relative"] and not g["lmeval.relative"]  # no reference for it either
     assert random_result["passed"] is False
     assert Path(random_result["path"]).is_file()
 
 
-def test_same_server_same_digest(batch_server, random_result):
+def test_same_server_same_digest(batch_server, trained_result):
     again = digest.run(Client(batch_server.url, batch_server.api_key, batch_server.served_name),
                        suite.resolve("tiny").digest)
-    assert again["digest"] == random_result["digest"]["digest"]
+    assert again["digest"] == trained_result["digest"]["digest"]
 
 
 def test_trained_model_passes_every_absolute_gate_on_its_merits(trained_result, random_result):
     g = _gates(trained_result)
-    assert trained_result["server"]["started_by"] == "rig"
+    assert trained_result["server"]["started_by"] == "external"
     assert g["garbage.greedy"] and g["garbage.sampled"] and g["ppl.overall.absolute"], trained_result["gates"]
     assert g["lmeval.format"] and trained_result["lmeval"]["format_pct"] >= FLOORS.lmeval_format_min, \
         trained_result["lmeval"]
+    assert g["lmeval.absolute"] and trained_result["lmeval"]["score"] >= FLOORS.lmeval_min, trained_result["lmeval"]
     assert g["toolcall.parsed"], trained_result["toolcall"]
     # the reference run judges nothing relative: its relative gates say "reference", not "pass"
     verdicts = {x["name"]: x["verdict"] for x in trained_result["gates"]}

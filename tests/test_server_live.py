@@ -17,6 +17,7 @@ def test_chat_completion_streams_with_usage(batch_server):
         "messages": [{"role": "user", "content": "What is there to see in Oslo?"}],
         "max_tokens": 12,
         "temperature": 0,
+        "ignore_eos": True,  # the trained default may finish its sentence sooner; usage must count all 12
         "stream": True,
         "stream_options": {"include_usage": True},
     }

@@ -1,7 +1,8 @@
-"""`inv verify`'s live rows against one real CPU server that verify itself starts, with the trained control
-(rig.quality.controls), the model whose greedy answer is known: every row passes on it; each check is then seen
-failing on something wrong (another key, another served name, a wrong expected answer, an engine log whose pool
-is not the planner's); `--url` runs every row after one failed and skips the engine log with the reason."""
+"""`inv verify`'s live rows against one real CPU server that verify itself starts, with the trained tiny hybrid
+(rig.models.train, the embedded default), the model whose greedy answer is known: every row passes on it; each
+check is then seen failing on something wrong (another key, another served name, a wrong expected answer, an
+engine log whose pool is not the planner's); `--url` runs every row after one failed and skips the engine log
+with the reason."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from rig import enginelog, verify
+from rig.models import train
 from rig.plan import Plan, resolve
-from rig.quality import controls
 from rig.server import free_port
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,7 @@ def plan(tmp_path_factory) -> Plan:
     """The batch profile on CPU with the trained control; a 512 MiB pool (the host is shared)."""
     key_dir = tmp_path_factory.mktemp("verify")
     return resolve("batch", (), "cpu", environ={}, sets={
-        "MODEL": str(controls.trained()), "SERVED_NAME": "rig-trained", "PORT": str(free_port()),
+        "MODEL": str(train.served_copy()), "SERVED_NAME": "rig-trained", "PORT": str(free_port()),
         "API_KEY_FILE": str(key_dir / "api_key"), "KV_MEM": "512M"})
 
 
@@ -59,7 +60,7 @@ def test_each_live_check_fails_on_what_is_wrong(started, plan, tmp_path, tiny_mo
     other_name = verify.Target(target.url, target.key, plan.model_copy(update={"served_name": "rig-other"}), None)
     with pytest.raises(RuntimeError, match=r"lists \['rig-trained'\], not the plan's 'rig-other'"):
         verify.check_models(other_name)
-    wrong = verify.KnownAnswer("What is the weather in Lima?", "Oslo", controls.WEATHER_TOOL, "city")
+    wrong = verify.KnownAnswer("What is the weather in Lima?", "Oslo", train.WEATHER_TOOL, "city")
     with pytest.raises(RuntimeError, match=r"expected a get_weather call with city='Oslo', got 'Lima'"):
         verify.ask(target, wrong, "trained")
     unknown = verify.Target(target.url, target.key, plan.model_copy(update={"model": str(tiny_model)}), None)

@@ -9,6 +9,8 @@
 #   install    join and check the carried pieces (bench/scripts/gpu_carry.py), install into SITE
 #   kernels    inv kernels.build for this GPU's arch, the kernels' GPU tests, the prefill-attention bench
 #   tier       the GPU tier of the suite (tests/test_gpu.py), RIG_GPU_SETS as set by the caller
+#   train      train the tiny hybrid (models/recipes/tiny-hybrid-train.toml) on the GPU with the host's own
+#              torch and transformers (pydantic borrowed from SITE), evaluate it; the model lands in OUT
 #   fixture    build the real-shape benchmark fixture (random weights; CPU work, ~19 GB on disk)
 #   real       serve the batch profile on the real shape under the gpu24 overlay, verify it live
 #              (pool and concurrency vs the planner), one ladder cell, stop
@@ -49,6 +51,14 @@ step_tier() {
   "$PY" -m pytest -q -m gpu tests/test_gpu.py -s -rA -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tier-pytest.log" | tail -30
   cp -f "${RIG_STATE_DIR:-.rig}/results/gpu-tier.json" "$OUT/" 2>/dev/null
   keep_triton_cache
+}
+
+step_train() {
+  stamp "train ${TRAIN_ARGS:-}"
+  mkdir -p /tmp/train-site
+  for p in "$SITE"/pydantic* "$SITE"/annotated_types* "$SITE"/typing_inspection*; do ln -sfn "$p" /tmp/train-site/; done
+  PYTHONPATH="/tmp/train-site:$PWD" "$PY" -u -m rig.models.train --eval --out "$OUT/tiny-hybrid" ${TRAIN_ARGS:-} 2>&1 \
+    | grep -v '^\[transformers\]' | tee "$OUT/train.log" | tail -45
 }
 
 step_fixture() {

