@@ -201,7 +201,8 @@ def copy_bandwidth(device, nbytes: int, warmup: int, iters: int) -> float:
     return 2 * nbytes / timed(lambda: dst.copy_(src), device, warmup, iters)
 
 
-def time_rows(kt, length: int, batch: int, device, warmup: int, iters: int, copy_bps: float) -> list[dict]:
+def time_rows(kt, length: int, batch: int, device, warmup: int, iters: int, copy_bps: float,
+              tiles: dict) -> list[dict]:
     """Decode time of ours on the packed cache vs torch SDPA over an fp16 cache, ``batch`` sequences of ``length``."""
     import torch
 
@@ -222,7 +223,7 @@ def time_rows(kt, length: int, batch: int, device, warmup: int, iters: int, copy
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=g, device=device).half()
     out = torch.empty_like(q)
     args = decode_args(kt, pool, table, groups, torch.float16)
-    ours = timed(lambda: kt.decode_attention(q, *args, out=out), device, warmup, iters)
+    ours = timed(lambda: kt.decode_attention(q, *args, out=out, **tiles), device, warmup, iters)
     qs = q.view(batch, Q_HEADS, 1, HEAD_DIM)
     sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, kf, vf, enable_gqa=True),
                  device, warmup, iters)
@@ -277,6 +278,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=30, help="timed iterations (median; >= 20 on a GPU)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block-t", type=int, default=32, help="decode kernel: tokens per inner tile (16, 32, 64)")
+    ap.add_argument("--num-warps", type=int, default=8, help="decode kernel: warps per program")
     ap.add_argument("--json", default="", help="also write the rows and the run's facts here")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in Triton's interpreter (no speeds)")
     a = ap.parse_args()
@@ -306,12 +309,14 @@ def main() -> int:
         rows += error_rows(kt, length, a.seed, device, tq)
     copy_bps = copy_bandwidth(device, (16 << 20) if a.smoke else (2 << 30), a.warmup, a.iters)
     for length in time_lengths:
-        rows += time_rows(kt, length, a.batch, device, a.warmup, a.iters, copy_bps)
+        rows += time_rows(kt, length, a.batch, device, a.warmup, a.iters, copy_bps,
+                          {"block_t": a.block_t, "num_warps": a.num_warps})
     import triton
 
     print(f"KVarN kernels, {name}, torch {torch.__version__}, triton {triton.__version__}, seed {a.seed}; "
           f"error rows: 4 queries x {Q_HEADS} heads, KV {KV_HEADS} x {HEAD_DIM}, fp32 reference; "
-          f"time rows: {a.batch} sequences, median of {a.iters} after {a.warmup} warmup")
+          f"time rows: {a.batch} sequences, median of {a.iters} after {a.warmup} warmup, decode tiles "
+          f"block_t {a.block_t}, {a.num_warps} warps")
     for n, why in tq.items():
         if isinstance(why, str):
             print(f"{n}: not importable: {why}" if not why.startswith("failed") else f"{n}: {why}")
@@ -323,7 +328,8 @@ def main() -> int:
         print(goals(rows, a.batch))
     if a.json:
         facts = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "seed": a.seed,
-                 "smoke": a.smoke, "batch": a.batch, "iters": a.iters, "warmup": a.warmup,
+                 "smoke": a.smoke, "batch": a.batch, "block_t": a.block_t, "num_warps": a.num_warps,
+                 "iters": a.iters, "warmup": a.warmup,
                  "copy_Bps": copy_bps, "turboquant": {n: (w if isinstance(w, str) else "ran") for n, w in tq.items()}}
         Path(a.json).write_text(json.dumps({"facts": facts, "rows": rows}, indent=1) + "\n")
         print(f"\nwrote {a.json}")

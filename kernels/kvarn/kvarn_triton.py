@@ -22,9 +22,10 @@ Kernels and why each exists:
 * ``_decode_split_kernel``: flash-decoding over the packed groups without dequantizing to memory.
   Scores use q.k = (qH).(kH) (H symmetric orthonormal) with the group's channel scales folded into
   the rotated query, so a token's score is token_scale * (q' . codes) + token_offset * sum(q');
-  P.V is accumulated in the rotated domain (per group: channel_scale * (sum p*ts*codes + sum p*to))
-  and un-rotated once at the end. The unquantized tail (the newest < 128 tokens) is one more split.
-* ``_decode_combine_kernel``: merges the splits' (max, sum, acc) into the rotated and plain parts.
+  P.V is accumulated in the rotated domain (channel_scale * (sum p*ts*codes + sum p*to)) and
+  un-rotated once at the end.
+* ``_decode_combine_kernel``: attends over the unquantized tail (the newest < 128 tokens, fp32
+  math) and merges it with the splits' (max, sum, acc) into the rotated and plain parts.
 * ``_dequant_kernel``: packed page -> rotated fp32 values (then ``_rotate_kernel`` -> fp16/bf16).
 
 Entry points: ``quantize_groups``, ``decode_attention``, ``dequantize_pages``,
@@ -265,7 +266,7 @@ def quantize_groups(pool: torch.Tensor, pages: torch.Tensor, k: torch.Tensor, v:
                 y, pages[sl].contiguous(), pool, f16, layout.page_bytes, *offs,
                 HEADS=layout.heads, T=layout.group, D=layout.dim, BITS=bits, NORMALIZE=normalize,
                 ITERS=reference.NORM_ITERS, TINY=reference.TINY, CH_LO=reference.CHANNEL_RANGE[0],
-                CH_HI=reference.CHANNEL_RANGE[1], num_warps=8)
+                CH_HI=reference.CHANNEL_RANGE[1], num_warps=16)  # a [128, 256] fp32 tile: 16 warps spill least
 
 
 # ----------------------------------------------------------------------------- dequantize (prefill)
@@ -305,7 +306,7 @@ def dequantize_pages(pool: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype
         rot = torch.empty(n * layout.group, layout.heads, layout.dim, dtype=torch.float32, device=pool.device)
         if n:
             _dequant_kernel[(n, layout.heads)](pages, pool, f16, rot, layout.page_bytes, *offs, HEADS=layout.heads,
-                                               T=layout.group, D=layout.dim, BITS=bits, num_warps=4)
+                                               T=layout.group, D=layout.dim, BITS=bits, num_warps=8)
         outs.append(rotate(rot, dtype=dtype) if rotated else rot.to(dtype))
     return outs[0], outs[1]
 
@@ -325,15 +326,22 @@ def _dot2(a_hi, a_lo, b):
 
 
 @triton.jit
-def _decode_groups(qr_ptr, u8_ptr, f16_ptr, bt_row, s, h, g0, g1, page_bytes,
-                   K_CODES: tl.constexpr, K_TS: tl.constexpr, K_TO: tl.constexpr, K_CS: tl.constexpr,
-                   V_CODES: tl.constexpr, V_TS: tl.constexpr, V_TO: tl.constexpr, V_CS: tl.constexpr,
-                   HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Online softmax over packed groups g0..g1 of one (sequence, KV head): (m, l, acc0..acc3) in the rotated domain.
+def _decode_split_kernel(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_ptr, ml_ptr, page_bytes, gps,
+                         K_CODES: tl.constexpr, K_TS: tl.constexpr, K_TO: tl.constexpr, K_CS: tl.constexpr,
+                         V_CODES: tl.constexpr, V_TS: tl.constexpr, V_TO: tl.constexpr, V_CS: tl.constexpr,
+                         HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                         NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program (sequence, KV head, split): online softmax over ``gps`` packed groups, all QPK query heads at once.
 
-    acc_j holds channels 4i+j (the 2-bit crumb order), so V's codes are never re-interleaved.
+    Scores: q' = (q H) * channel_scale_K (per group), s_t = ts_t * (q' . codes_t) + to_t * sum(q'), with
+    q' split into fp16 hi + lo so the 4-bit codes (exact in fp16) meet it on tensor cores. V: the
+    rotated-domain accumulator acc[c] += cs_V[c] * (sum_t p_t ts_t code_tc + sum_t p_t to_t), kept as
+    four [BLOCK_G, D/4] parts (channels 4i+j, the 2-bit crumb order) so codes are never re-interleaved.
+    Writes unnormalized acc to o [S, HQ, NSPLIT, D] and (m, l) to ml [S, HQ, NSPLIT, 2].
     """
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    j = tl.program_id(2)
     HQ: tl.constexpr = HKV * QPK
     rows = tl.arange(0, BLOCK_G)
     rmask = rows < QPK
@@ -348,31 +356,26 @@ def _decode_groups(qr_ptr, u8_ptr, f16_ptr, bt_row, s, h, g0, g1, page_bytes,
     acc1 = tl.zeros([BLOCK_G, D // 4], tl.float32)
     acc2 = tl.zeros([BLOCK_G, D // 4], tl.float32)
     acc3 = tl.zeros([BLOCK_G, D // 4], tl.float32)
+    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    g0 = j * gps
+    g1 = tl.minimum(g0 + gps, tl.load(ngroups_ptr + s))
     for g in range(g0, g1):
-        page = tl.load(bt_row + g).to(tl.int64)
-        base = page * page_bytes
+        base = tl.load(bt_row + g).to(tl.int64) * page_bytes
         fb = base // 2
-        # fold K's channel scales into the rotated query; normalize rows so the fp16 split cannot overflow
-        cs_e = tl.load(f16_ptr + fb + K_CS // 2 + h * D + 2 * half).to(tl.float32)
-        cs_o = tl.load(f16_ptr + fb + K_CS // 2 + h * D + 2 * half + 1).to(tl.float32)
-        qs_e = q_even * cs_e[None, :]
-        qs_o = q_odd * cs_o[None, :]
+        # fold K's channel scales into the rotated query; rows scaled to |.| <= 1 so the fp16 split cannot overflow
+        qs_e = q_even * tl.load(f16_ptr + fb + K_CS // 2 + h * D + 2 * half).to(tl.float32)[None, :]
+        qs_o = q_odd * tl.load(f16_ptr + fb + K_CS // 2 + h * D + 2 * half + 1).to(tl.float32)[None, :]
         qsum = tl.sum(qs_e, axis=1) + tl.sum(qs_o, axis=1)
         amax = tl.maximum(tl.max(tl.abs(qs_e), axis=1), tl.max(tl.abs(qs_o), axis=1))
         amax = tl.where(amax > 0, amax, 1.0)
         e_hi, e_lo = _split16(qs_e / amax[:, None])
         o_hi, o_lo = _split16(qs_o / amax[:, None])
-        vg0 = tl.zeros([BLOCK_G, D // 4], tl.float32)
-        vg1 = tl.zeros([BLOCK_G, D // 4], tl.float32)
-        vg2 = tl.zeros([BLOCK_G, D // 4], tl.float32)
-        vg3 = tl.zeros([BLOCK_G, D // 4], tl.float32)
-        off = tl.zeros([BLOCK_G], tl.float32)
-        for t0 in tl.static_range(0, T, BLOCK_T):
+        vcs = f16_ptr + fb + V_CS // 2 + h * D + 4 * quarter
+        for t0 in range(0, T, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T)
             kraw = tl.load(u8_ptr + base + K_CODES + (t[:, None] * HKV + h) * (D // 2) + half[None, :])
-            k_lo = tl.trans((kraw & 15).to(tl.float16))
-            k_hi = tl.trans((kraw >> 4).to(tl.float16))
-            dots = _dot2(e_hi, e_lo, k_lo) + _dot2(o_hi, o_lo, k_hi)
+            dots = _dot2(e_hi, e_lo, tl.trans((kraw & 15).to(tl.float16)))
+            dots += _dot2(o_hi, o_lo, tl.trans((kraw >> 4).to(tl.float16)))
             ts = tl.load(f16_ptr + fb + K_TS // 2 + t * HKV + h).to(tl.float32)
             to = tl.load(f16_ptr + fb + K_TO // 2 + t * HKV + h).to(tl.float32)
             sc = dots * amax[:, None] * ts[None, :] + qsum[:, None] * to[None, :]
@@ -387,117 +390,77 @@ def _decode_groups(qr_ptr, u8_ptr, f16_ptr, bt_row, s, h, g0, g1, page_bytes,
             tmax = tl.max(tsv, axis=0)
             tmax = tl.where(tmax > 0, tmax, 1.0)
             a_hi, a_lo = _split16(p * (tsv / tmax)[None, :])
-            vg0 = vg0 * alpha[:, None] + _dot2(a_hi, a_lo, _crumb(vraw, 0)) * tmax
-            vg1 = vg1 * alpha[:, None] + _dot2(a_hi, a_lo, _crumb(vraw, 1)) * tmax
-            vg2 = vg2 * alpha[:, None] + _dot2(a_hi, a_lo, _crumb(vraw, 2)) * tmax
-            vg3 = vg3 * alpha[:, None] + _dot2(a_hi, a_lo, _crumb(vraw, 3)) * tmax
-            off = off * alpha + tl.sum(p * tov[None, :], axis=1)
-            acc0 = acc0 * alpha[:, None]
-            acc1 = acc1 * alpha[:, None]
-            acc2 = acc2 * alpha[:, None]
-            acc3 = acc3 * alpha[:, None]
-        vcs = f16_ptr + fb + V_CS // 2 + h * D + 4 * quarter
-        acc0 += (vg0 + off[:, None]) * tl.load(vcs).to(tl.float32)[None, :]
-        acc1 += (vg1 + off[:, None]) * tl.load(vcs + 1).to(tl.float32)[None, :]
-        acc2 += (vg2 + off[:, None]) * tl.load(vcs + 2).to(tl.float32)[None, :]
-        acc3 += (vg3 + off[:, None]) * tl.load(vcs + 3).to(tl.float32)[None, :]
-    return m_i, l_i, acc0, acc1, acc2, acc3
-
-
-@triton.jit
-def _decode_tail(qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, s, h, stride_ts, stride_tt,
-                 HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-                 BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Online softmax over the sequence's unquantized tail (plain domain, fp32 products): (m, l, acc)."""
-    HQ: tl.constexpr = HKV * QPK
-    rows = tl.arange(0, BLOCK_G)
-    rmask = rows < QPK
-    d = tl.arange(0, D)
-    q = tl.load(qp_ptr + (s * HQ + h * QPK + rows).to(tl.int64)[:, None] * D + d[None, :],
-                mask=rmask[:, None], other=0.0)
-    n = tl.load(tail_len_ptr + s)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for t0 in tl.static_range(0, T, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        tmask = t < n
-        offs = s.to(tl.int64) * stride_ts + t[:, None] * stride_tt + h * D + d[None, :]
-        k = tl.load(tk_ptr + offs, mask=tmask[:, None], other=0.0).to(tl.float32)
-        v = tl.load(tv_ptr + offs, mask=tmask[:, None], other=0.0).to(tl.float32)
-        sc = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=tl.float32)
-        sc = tl.where(tmask[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee", out_dtype=tl.float32)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _decode_split_kernel(qr_ptr, qp_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, tail_len_ptr,
-                         tk_ptr, tv_ptr, stride_ts, stride_tt, o_ptr, ml_ptr, page_bytes, gps,
-                         K_CODES: tl.constexpr, K_TS: tl.constexpr, K_TO: tl.constexpr, K_CS: tl.constexpr,
-                         V_CODES: tl.constexpr, V_TS: tl.constexpr, V_TO: tl.constexpr, V_CS: tl.constexpr,
-                         HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-                         NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Program (sequence, KV head, split): splits < NSPLIT take ``gps`` packed groups each; split NSPLIT the tail.
-
-    Writes unnormalized acc to o [S, HQ, NSPLIT + 1, D] and (m, l) to ml [S, HQ, NSPLIT + 1, 2].
-    """
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    j = tl.program_id(2)
-    HQ: tl.constexpr = HKV * QPK
-    rows = tl.arange(0, BLOCK_G)
-    rmask = rows < QPK
-    slot = ((s * HQ + h * QPK + rows) * (NSPLIT + 1) + j).to(tl.int64)
-    if j == NSPLIT:
-        m_i, l_i, acc = _decode_tail(qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, s, h, stride_ts, stride_tt,
-                                     HKV, QPK, D, T, BLOCK_G, BLOCK_T)
-        d = tl.arange(0, D)
-        tl.store(o_ptr + slot[:, None] * D + d[None, :], acc, mask=rmask[:, None])
-    else:
-        n = tl.load(ngroups_ptr + s)
-        g0 = j * gps
-        g1 = tl.minimum(g0 + gps, n)
-        m_i, l_i, a0, a1, a2, a3 = _decode_groups(
-            qr_ptr, u8_ptr, f16_ptr, bt_ptr + s.to(tl.int64) * stride_bt, s, h, g0, g1, page_bytes,
-            K_CODES, K_TS, K_TO, K_CS, V_CODES, V_TS, V_TO, V_CS, HKV, QPK, D, T, BLOCK_G, BLOCK_T)
-        c = 4 * tl.arange(0, D // 4)
-        base = o_ptr + slot[:, None] * D + c[None, :]
-        tl.store(base, a0, mask=rmask[:, None])
-        tl.store(base + 1, a1, mask=rmask[:, None])
-        tl.store(base + 2, a2, mask=rmask[:, None])
-        tl.store(base + 3, a3, mask=rmask[:, None])
+            off = tl.sum(p * tov[None, :], axis=1)[:, None]
+            acc0 = acc0 * alpha[:, None] + (_dot2(a_hi, a_lo, _crumb(vraw, 0)) * tmax + off) * \
+                tl.load(vcs).to(tl.float32)[None, :]
+            acc1 = acc1 * alpha[:, None] + (_dot2(a_hi, a_lo, _crumb(vraw, 1)) * tmax + off) * \
+                tl.load(vcs + 1).to(tl.float32)[None, :]
+            acc2 = acc2 * alpha[:, None] + (_dot2(a_hi, a_lo, _crumb(vraw, 2)) * tmax + off) * \
+                tl.load(vcs + 2).to(tl.float32)[None, :]
+            acc3 = acc3 * alpha[:, None] + (_dot2(a_hi, a_lo, _crumb(vraw, 3)) * tmax + off) * \
+                tl.load(vcs + 3).to(tl.float32)[None, :]
+    slot = ((s * HQ + h * QPK + rows) * NSPLIT + j).to(tl.int64)
+    out = o_ptr + slot[:, None] * D + 4 * quarter[None, :]
+    tl.store(out, acc0, mask=rmask[:, None])
+    tl.store(out + 1, acc1, mask=rmask[:, None])
+    tl.store(out + 2, acc2, mask=rmask[:, None])
+    tl.store(out + 3, acc3, mask=rmask[:, None])
     tl.store(ml_ptr + slot * 2, m_i, mask=rmask)
     tl.store(ml_ptr + slot * 2 + 1, l_i, mask=rmask)
 
 
 @triton.jit
-def _decode_combine_kernel(o_ptr, ml_ptr, rot_ptr, plain_ptr,
-                           D: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr):
-    """Program (sequence x query head): merge the splits; write rot = packed part / L and plain = tail part / L."""
-    r = tl.program_id(0).to(tl.int64)
+def _decode_combine_kernel(o_ptr, ml_ptr, qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, stride_ts, stride_tt,
+                           rot_ptr, plain_ptr, HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                           NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, TAIL_T: tl.constexpr):
+    """Program (sequence, query head): attend over the unquantized tail in fp32, then merge it with the splits.
+
+    The tail is at most 128 tokens; reading it once per query head (not once per KV head) costs
+    QPK x 64 KiB per sequence, small beside the packed groups, and saves a launch and the split
+    kernel's registers. Writes rot = packed part / L (rotated domain) and plain = tail part / L.
+    """
+    r = tl.program_id(0)
+    s = r // (HKV * QPK)
+    h = (r % (HKV * QPK)) // QPK
+    d = tl.arange(0, D)
+    q = tl.load(qp_ptr + r.to(tl.int64) * D + d)
+    n = tl.load(tail_len_ptr + s)
+    mt = float("-inf")
+    lt = 0.0
+    acc = tl.zeros([D], tl.float32)
+    for t0 in range(0, n, TAIL_T):  # a runtime loop over the filled part only
+        t = t0 + tl.arange(0, TAIL_T)
+        tmask = t < n
+        offs = s.to(tl.int64) * stride_ts + t[:, None] * stride_tt + h * D + d[None, :]
+        k = tl.load(tk_ptr + offs, mask=tmask[:, None], other=0.0).to(tl.float32)
+        sc = tl.where(tmask, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        m_new = tl.maximum(mt, tl.max(sc, axis=0))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(mt - m_safe)
+        p = tl.exp2(sc - m_safe)
+        v = tl.load(tv_ptr + offs, mask=tmask[:, None], other=0.0).to(tl.float32)
+        lt = lt * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        mt = m_new
     j = tl.arange(0, NSPLIT_P2)
     jmask = j < NSPLIT
-    d = tl.arange(0, D)
-    m = tl.load(ml_ptr + (r * (NSPLIT + 1) + j) * 2, mask=jmask, other=float("-inf"))
-    lsum = tl.load(ml_ptr + (r * (NSPLIT + 1) + j) * 2 + 1, mask=jmask, other=0.0)
-    mt = tl.load(ml_ptr + (r * (NSPLIT + 1) + NSPLIT) * 2)
-    lt = tl.load(ml_ptr + (r * (NSPLIT + 1) + NSPLIT) * 2 + 1)
+    ml = ml_ptr + (r.to(tl.int64) * NSPLIT + j) * 2
+    m = tl.load(ml, mask=jmask, other=float("-inf"))
+    lsum = tl.load(ml + 1, mask=jmask, other=0.0)
     mx = tl.maximum(tl.max(m, axis=0), mt)
     w = tl.where(m > float("-inf"), tl.exp2(m - mx), 0.0)
     wt = tl.where(mt > float("-inf"), tl.exp2(mt - mx), 0.0)
     total = tl.sum(w * lsum, axis=0) + wt * lt
-    parts = tl.load(o_ptr + (r * (NSPLIT + 1) + j)[:, None] * D + d[None, :], mask=jmask[:, None], other=0.0)
-    rot = tl.sum(parts * w[:, None], axis=0) / total
-    tail = tl.load(o_ptr + (r * (NSPLIT + 1) + NSPLIT) * D + d) * (wt / total)
-    tl.store(rot_ptr + r * D + d, rot)
-    tl.store(plain_ptr + r * D + d, tail)
+    rot = tl.zeros([D], tl.float32)
+    for c0 in range(0, NSPLIT, 8):  # 8 splits at a time: a [NSPLIT, D] tile would spill
+        c = c0 + tl.arange(0, 8)
+        cmask = c < NSPLIT
+        wc = tl.where(cmask, tl.exp2(tl.load(ml_ptr + (r.to(tl.int64) * NSPLIT + c) * 2, mask=cmask,
+                                             other=float("-inf")) - mx), 0.0)
+        part = tl.load(o_ptr + (r.to(tl.int64) * NSPLIT + c)[:, None] * D + d[None, :], mask=cmask[:, None], other=0.0)
+        rot += tl.sum(part * wc[:, None], axis=0)
+    tl.store(rot_ptr + r.to(tl.int64) * D + d, rot / total)
+    tl.store(plain_ptr + r.to(tl.int64) * D + d, acc * (wt / total))
 
 
 def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device) -> tuple[int, int]:
@@ -513,42 +476,42 @@ def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device) ->
 def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, n_groups: torch.Tensor,
                      max_groups: int, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_len: torch.Tensor,
                      out: torch.Tensor | None = None, layout: PageLayout = MODEL_LAYOUT, rotated: bool = True,
-                     splits: int | None = None, block_t: int = 64, num_warps: int = 4) -> torch.Tensor:
+                     splits: int | None = None, block_t: int = 32, num_warps: int = 8) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
 
     q [S, HQ, D]; block_table int32 [S, >= max_groups] (page of each full group); n_groups, tail_len
     int32 [S] (device); max_groups: a host-side bound on n_groups (no device sync); tail_k/v
     [S, 128, HKV, D] (fp16/bf16/fp32), the newest tail_len[s] tokens in the first rows. Every
     sequence needs at least one token. rotated=False reads the plain-RTN layout (no query rotation).
+    Launches: query rotation, split kernel (when any group is full), combine + tail, un-rotation.
     """
     s_, hq, d = q.shape
     hkv, t = layout.heads, layout.group
     if hq % hkv or d != layout.dim:
         raise ValueError(f"q {tuple(q.shape)} does not fit {hkv} KV heads x dim {layout.dim}")
+    if tail_k.stride() != tail_v.stride() or tail_k.stride(2) != d or tail_k.stride(3) != 1:
+        raise ValueError("tail_k and tail_v must share strides with contiguous [heads, dim] rows")
     qpk = hq // hkv
-    scale = LOG2E / math.sqrt(d)
-    qp = (q.float() * scale).contiguous()
-    qr = rotate(qp) if rotated else qp
+    qp = (q.float() * (LOG2E / math.sqrt(d))).contiguous()
     gps, nsplit = _splits(s_, hkv, max_groups, q.device)
     if splits is not None and max_groups > 0:
         gps = math.ceil(max_groups / max(1, min(splits, max_groups)))
         nsplit = math.ceil(max_groups / gps)
-    o_part = torch.empty(s_, hq, nsplit + 1, d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(s_, hq, nsplit + 1, 2, dtype=torch.float32, device=q.device)
-    if tail_k.stride() != tail_v.stride() or tail_k.stride(2) != d or tail_k.stride(3) != 1:
-        raise ValueError("tail_k and tail_v must share strides with contiguous [heads, dim] rows")
+    o_part = torch.empty(s_, hq, max(nsplit, 1), d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(s_, hq, max(nsplit, 1), 2, dtype=torch.float32, device=q.device)
     lay = layout
-    _decode_split_kernel[(s_, hkv, nsplit + 1)](
-        qr, qp, pool, pool.view(torch.float16), block_table, block_table.stride(0), n_groups, tail_len,
-        tail_k, tail_v, tail_k.stride(0), tail_k.stride(1), o_part, ml, lay.page_bytes, gps,
-        K_CODES=lay.k_codes, K_TS=lay.k_ts, K_TO=lay.k_to, K_CS=lay.k_cs,
-        V_CODES=lay.v_codes, V_TS=lay.v_ts, V_TO=lay.v_to, V_CS=lay.v_cs,
-        HKV=hkv, QPK=qpk, D=d, T=t, NSPLIT=nsplit, BLOCK_G=max(16, triton.next_power_of_2(qpk)),
-        BLOCK_T=block_t, num_warps=num_warps)
+    if nsplit:
+        qr = rotate(qp) if rotated else qp
+        _decode_split_kernel[(s_, hkv, nsplit)](
+            qr, pool, pool.view(torch.float16), block_table, block_table.stride(0), n_groups, o_part, ml,
+            lay.page_bytes, gps, K_CODES=lay.k_codes, K_TS=lay.k_ts, K_TO=lay.k_to, K_CS=lay.k_cs,
+            V_CODES=lay.v_codes, V_TS=lay.v_ts, V_TO=lay.v_to, V_CS=lay.v_cs, HKV=hkv, QPK=qpk, D=d, T=t,
+            NSPLIT=nsplit, BLOCK_G=max(16, triton.next_power_of_2(qpk)), BLOCK_T=block_t, num_warps=num_warps)
     rot = torch.empty(s_, hq, d, dtype=torch.float32, device=q.device)
     plain = torch.empty_like(rot)
-    _decode_combine_kernel[(s_ * hq,)](o_part, ml, rot, plain, D=d, NSPLIT=nsplit,
-                                       NSPLIT_P2=max(1, triton.next_power_of_2(nsplit)), num_warps=4)
+    _decode_combine_kernel[(s_ * hq,)](o_part, ml, qp, tail_k, tail_v, tail_len, tail_k.stride(0), tail_k.stride(1),
+                                       rot, plain, HKV=hkv, QPK=qpk, D=d, T=t, NSPLIT=nsplit,
+                                       NSPLIT_P2=max(8, triton.next_power_of_2(nsplit)), TAIL_T=16, num_warps=4)
     if out is None:
         out = torch.empty_like(q)
     if rotated:
