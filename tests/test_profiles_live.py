@@ -1,4 +1,4 @@
-"""Each profile, resolved with the cpu overlay onto the tiny hybrid model, starts, answers and stops.
+"""Each profile, resolved with the cpu overlay onto the trained tiny hybrid, starts, answers and stops.
 
 Also: TOOLS=1/0 and the tool_choice contract, PREFIX_CACHE=0 vs 1 on /metrics, speculative
 decoding (MTP) on vLLM's CPU backend, and `inv serve` stopping its whole tree on SIGTERM.
@@ -61,9 +61,20 @@ def test_batch_profile_tools_on_and_no_prefix_cache(batch_server):
     assert repeat_prompt_hits(s.url, s.headers(), s.served_name) == 0
 
 
+@pytest.fixture(scope="module")
+def random_server(session_tmp):
+    """The batch profile with the random-weight tiny hybrid: a model that never learned to call a tool, so a call
+    that comes back was made by the grammar (the trained default calls get_weather whenever it is offered)."""
+    server = start_server(cpu_plan("batch", session_tmp, MODEL="tiny:hybrid", SERVED_NAME="rig-random"), session_tmp)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"],
                          ids=["named", "required"])
-def test_forced_tool_choice_is_enforced(batch_server, choice):
+def test_forced_tool_choice_is_enforced(random_server, choice):
     """A forced call comes back as that call, its argument one the schema allows, even from random weights.
 
     Plain vLLM 0.28 answers these like "auto" (qwen3 + qwen3_coder share a parser engine that attaches
@@ -74,7 +85,7 @@ def test_forced_tool_choice_is_enforced(batch_server, choice):
     """
     import json
 
-    s = batch_server
+    s = random_server
     tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                              "parameters": {"type": "object", "required": ["city"], "properties": {
                                                  "city": {"type": "string", "enum": ["Oslo", "Bergen"]}}}}}
