@@ -29,8 +29,8 @@ Kernels and why each exists:
 * ``_dequant_kernel``: packed page -> rotated fp32 values (then ``_rotate_kernel`` -> fp16/bf16).
 
 Entry points: ``quantize_groups``, ``decode_attention``, ``dequantize_pages``,
-``prefill_attention`` and ``PagedKvarnCache`` (the host-side bookkeeping the tests and the
-benchmark use: pages, block tables, tails). Written for this repo; no code was copied.
+``prefill_attention`` and ``PagedKvarnCache`` (the host-side bookkeeping the tests use:
+pages, block tables, tails). Written for this repo; no code was copied.
 """
 
 from __future__ import annotations
