@@ -1,9 +1,10 @@
-"""A real vLLM server (CPU, tiny hybrid model) answers the endpoints rig relies on."""
+"""A real vLLM server (CPU, the trained tiny hybrid) answers the endpoints rig relies on, and README's request."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import httpx
 import pytest
@@ -126,3 +127,21 @@ def test_capacity_plan_matches_what_the_live_cpu_server_built(batch_server):
     assert seen.pool_tokens == pool.reported_tokens
     assert seen.block_size == pool.block_size
     assert seen.padding_pct == round(100 * pool.padding, 2)
+
+
+def test_the_readmes_curl_gets_a_sensible_answer(batch_server):
+    """README's first request, its JSON body as written there, to what `serve` runs on a CPU host: the trained
+    default answers about the city it is asked about, in words the garbage detector passes."""
+    from rig import paths
+    from rig.quality import garbage
+
+    readme = (paths.ROOT / "README.md").read_text()
+    body = json.loads(re.search(r"-d '(\{.*?\})'", readme, re.S).group(1))
+    assert body["model"] == batch_server.served_name
+    r = httpx.post(f"{batch_server.url}/v1/chat/completions", json=body, headers=batch_server.headers(),
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]["message"]["content"]
+    print(f"\nREADME's curl -> {answer!r}")
+    assert "Lima" in answer and len(answer.split()) >= 5, answer
+    assert garbage.check(answer) == [], answer

@@ -26,7 +26,7 @@ def plan(tmp_path_factory) -> Plan:
     """The batch profile on CPU with the trained control; a 512 MiB pool (the host is shared)."""
     key_dir = tmp_path_factory.mktemp("verify")
     return resolve("batch", (), "cpu", environ={}, sets={
-        "MODEL": str(train.served_copy()), "SERVED_NAME": "rig-trained", "PORT": str(free_port()),
+        "MODEL": str(train.committed()), "SERVED_NAME": "rig-trained", "PORT": str(free_port()),
         "API_KEY_FILE": str(key_dir / "api_key"), "KV_MEM": "512M"})
 
 

@@ -8,6 +8,8 @@
 # Everything worth keeping is copied under OUT (default .rig/gpu-session). Steps:
 #   install    join and check the carried pieces (bench/scripts/gpu_carry.py), install into SITE
 #   kernels    inv kernels.build for this GPU's arch, the kernels' GPU tests, the prefill-attention bench
+#   prepass    the int8 prefill pre-pass profile (bench/scripts/prefill_prepass_profile.py; after `kernels`)
+#   kvarn      the KVarN kernels' GPU tests and bench/scripts/kvarn_bench.py (issue 14's table)
 #   tier       the GPU tier of the suite (tests/test_gpu.py), RIG_GPU_SETS as set by the caller
 #   train      train the tiny hybrid (models/recipes/tiny-hybrid-train.toml) on the GPU with the host's own
 #              torch and transformers (pydantic borrowed from SITE), evaluate it; the model lands in OUT
@@ -43,6 +45,19 @@ step_kernels() {
   inv kernels.build --arch "$a" 2>&1 | tee "$OUT/kernels-build.log"
   "$PY" -m pytest -q -m gpu tests/test_kernel_int8_attn.py tests/test_kernels_build.py -rA -p no:cacheprovider 2>&1 | tee "$OUT/kernels-pytest.log" | tail -25
   "$PY" bench/scripts/prefill_attn_bench.py --json "$OUT/prefill_attn.json" 2>&1 | tee "$OUT/prefill_attn.txt"
+  keep_triton_cache
+}
+
+step_prepass() {
+  stamp prepass
+  "$PY" bench/scripts/prefill_prepass_profile.py --json "$OUT/prefill_prepass.json" \
+    --trace "$OUT/prefill_prepass.trace.json" 2>&1 | tee "$OUT/prefill_prepass.txt" | tail -60
+}
+
+step_kvarn() {
+  stamp kvarn
+  "$PY" -m pytest -q -m gpu tests/test_kvarn_kernels.py -rA -p no:cacheprovider 2>&1 | tee "$OUT/kvarn-pytest.log" | tail -20
+  "$PY" bench/scripts/kvarn_bench.py --json "$OUT/kvarn_bench.json" 2>&1 | tee "$OUT/kvarn_bench.txt" | tail -40
   keep_triton_cache
 }
 

@@ -109,8 +109,16 @@ class Recipe(_Strict):
 
 
 def recipe_names() -> list[str]:
-    """The recipes shipped in models/recipes/ (file stems, sorted)."""
-    return sorted(p.stem for p in RECIPES.glob("*.toml"))
+    """The quantization recipes shipped in models/recipes/ (file stems, sorted); the folder also holds train
+    recipes (``kind = "train"``, rig.models.train), which are not listed."""
+    import tomllib
+
+    def kind(path: Path) -> str | None:
+        try:
+            return tomllib.loads(path.read_text()).get("kind")
+        except (OSError, tomllib.TOMLDecodeError):
+            return "quantize"  # listed, so that loading it names what is wrong with it
+    return sorted(p.stem for p in RECIPES.glob("*.toml") if kind(p) == "quantize")
 
 
 def recipe_file(ref: str) -> Path:
