@@ -7,6 +7,7 @@
 # or a carried one: SITE (default /tmp/site) installed from CARRY (default /tmp/c) by `install`.
 # Everything worth keeping is copied under OUT (default .rig/gpu-session). Steps:
 #   install    join and check the carried pieces (bench/scripts/gpu_carry.py), install into SITE
+#   build      inv kernels.build for this GPU's arch, nothing else (what prepass needs)
 #   kernels    inv kernels.build for this GPU's arch, the kernels' GPU tests, the prefill-attention bench
 #   prepass    the int8 prefill pre-pass profile (bench/scripts/prefill_prepass_profile.py; after `kernels`)
 #   kvarn      the KVarN kernels' GPU tests and bench/scripts/kvarn_bench.py (issue 14's table)
@@ -14,6 +15,8 @@
 #   train      train the tiny hybrid (models/recipes/tiny-hybrid-train.toml) on the GPU with the host's own
 #              torch and transformers (pydantic borrowed from SITE), evaluate it; the model lands in OUT
 #   fixture    build the real-shape benchmark fixture (random weights; CPU work, ~19 GB on disk)
+#   fixture&   the same in the background (its log in OUT/fixture.log); a later `wait` step waits for it,
+#              so GPU steps between the two overlap the fixture's CPU work
 #   real       serve the batch profile on the real shape under the gpu24 overlay, verify it live
 #              (pool and concurrency vs the planner), one ladder cell, stop
 # Nothing here is specific to one GPU model: the arch comes from NVML.
@@ -37,6 +40,12 @@ step_install() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/nvidia-smi.csv"
   /usr/bin/time -f "install: %e s wall" sh "$CARRY/install.sh" "$SITE" 2>&1 | tail -3 | tee "$OUT/install.log"
   "$PY" -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1 | tee -a "$OUT/install.log"
+}
+
+step_build() {
+  local a; a=$(arch)
+  stamp "build ($a)"
+  inv kernels.build --arch "$a" 2>&1 | tee "$OUT/kernels-build.log" | tail -5
 }
 
 step_kernels() {
@@ -104,4 +113,12 @@ step_real() {
   keep_triton_cache
 }
 
-for step in "$@"; do "step_$step"; done
+BG=()
+step_wait() { stamp "wait for ${#BG[@]} background step(s)"; for p in "${BG[@]}"; do wait "$p"; done; BG=(); }
+
+for step in "$@"; do
+  case $step in
+    *"&") "step_${step%&}" > "$OUT/${step%&}.bg.log" 2>&1 & BG+=($!) ;;
+    *) "step_$step" ;;
+  esac
+done

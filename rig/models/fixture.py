@@ -25,11 +25,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import shutil
 import tomllib
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from rig import paths
@@ -146,8 +150,16 @@ def _uniform_bf16(rng, shape: tuple[int, ...], std: float):
     import torch
 
     a = std * math.sqrt(3.0)
-    bits = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).astype(np.float32)
-    return torch.from_numpy(bits * (2 * a / 65535.0) - a).to(torch.bfloat16)
+    out = torch.empty(shape, dtype=torch.bfloat16)
+    flat = out.view(-1)
+    step = 1 << 24  # drawn in slices: an embedding's float32 temporaries would take 15 GB at once
+    for lo in range(0, flat.numel(), step):
+        n = min(step, flat.numel() - lo)
+        bits = rng.integers(0, 1 << 16, size=n, dtype=np.uint16).astype(np.float32)
+        bits *= 2 * a / 65535.0
+        bits -= a
+        flat[lo:lo + n] = torch.from_numpy(bits)
+    return out
 
 
 def _dense(seed: int, name: str, shape: tuple[int, ...]):
@@ -186,14 +198,29 @@ def _int4(seed: int, name: str, shape: tuple[int, int], group: int) -> dict:
     }
 
 
-def tensors(spec: FixtureSpec, cfg: dict) -> Iterator[dict]:
-    """Every checkpoint tensor, one source tensor at a time (int4 linears expand to their four tensors)."""
-    group = cfg["quantization_config"]["group_size"]
-    for name, shape in checkpoint_tensors(cfg):
-        if quantized(name, shape, cfg):
-            yield _int4(spec.seed, name, shape, group)
-        else:
-            yield {name: _dense(spec.seed, name, shape)}
+def _one(spec: FixtureSpec, cfg: dict, name: str, shape: tuple[int, ...]) -> dict:
+    """One source tensor's checkpoint tensors (an int4 linear expands to its four)."""
+    if quantized(name, shape, cfg):
+        return _int4(spec.seed, name, shape, cfg["quantization_config"]["group_size"])
+    return {name: _dense(spec.seed, name, shape)}
+
+
+def tensors(spec: FixtureSpec, cfg: dict, workers: int | None = None) -> Iterator[dict]:
+    """Every checkpoint tensor, one source tensor at a time, in checkpoint order.
+
+    Drawn on a few threads (numpy's generators and casts release the GIL; 27B values take minutes
+    on one core): each tensor has its own stream, so the bytes do not depend on the thread count.
+    At most ``2 * workers`` tensors are in flight, which bounds memory to a few of the largest.
+    """
+    workers = workers or min(8, os.cpu_count() or 1)
+    todo = iter(checkpoint_tensors(cfg))
+    with ThreadPoolExecutor(workers) as pool:
+        window = deque(pool.submit(_one, spec, cfg, n, s) for n, s in islice(todo, 2 * workers))
+        while window:
+            group = window.popleft().result()
+            for n, s in islice(todo, 1):
+                window.append(pool.submit(_one, spec, cfg, n, s))
+            yield group
 
 
 def _tokenizer(work: Path, spec: FixtureSpec, vocab_size: int) -> dict[str, int]:
@@ -220,6 +247,12 @@ def _tokenizer(work: Path, spec: FixtureSpec, vocab_size: int) -> dict[str, int]
 def _sha256(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _sha256_all(files: list[Path]) -> dict[str, str]:
+    """{name: sha256} of files, hashed on threads (hashlib releases the GIL): shards of 4 GiB each."""
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        return dict(zip((p.name for p in files), pool.map(_sha256, files), strict=True))
 
 
 def build(spec: FixtureSpec, dest: Path | None = None, progress=None) -> Path:
@@ -268,7 +301,7 @@ def build(spec: FixtureSpec, dest: Path | None = None, progress=None) -> Path:
     (work / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"]},
         indent=2, sort_keys=True) + "\n")
-    files = {p.name: _sha256(p) for p in sorted(work.iterdir()) if p.is_file()}
+    files = _sha256_all([p for p in sorted(work.iterdir()) if p.is_file()])
     (work / MANIFEST).write_text(json.dumps(
         {"fixture": {"shape": spec.shape, "seed": spec.seed, "overrides": spec.overrides, "warning": WARNING},
          "weights_bytes": done, "files": files}, indent=2, sort_keys=True) + "\n")
@@ -283,7 +316,10 @@ def verify(folder: Path) -> bool:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return all((folder / n).is_file() and _sha256(folder / n) == h for n, h in manifest["files"].items())
+    paths_ = [folder / n for n in manifest["files"]]
+    if not all(p.is_file() for p in paths_):
+        return False
+    return _sha256_all(paths_) == manifest["files"]
 
 
 def weights_bytes(spec: FixtureSpec) -> int:
