@@ -17,6 +17,7 @@
 #   fixture    build the real-shape benchmark fixture (random weights; CPU work, ~19 GB on disk)
 #   fixture&   the same in the background (its log in OUT/fixture.log); a later `wait` step waits for it,
 #              so GPU steps between the two overlap the fixture's CPU work
+#   pack       tar OUT (less the Triton cache) into the file PACK names, for channels that return few files
 #   real       serve the batch profile on the real shape under the gpu24 overlay, verify it live
 #              (pool and concurrency vs the planner), one ladder cell, stop
 # Nothing here is specific to one GPU model: the arch comes from NVML.
@@ -87,7 +88,7 @@ step_train() {
 
 step_fixture() {
   stamp "fixture $FIXTURE"
-  /usr/bin/time -f "fixture: %e s wall" inv model.fixture --shape "${FIXTURE#fixture:}" 2>&1 | tail -3 | tee "$OUT/fixture.log"
+  /usr/bin/time -f "fixture: %e s wall" "$PY" -u -m invoke model.fixture --shape "${FIXTURE#fixture:}" 2>&1 | tail -3 | tee "$OUT/fixture.log"
 }
 
 step_real() {
@@ -96,6 +97,7 @@ step_real() {
   local ovl=""; for s in $REAL_OVERLAYS; do ovl="$ovl --overlay $s"; done
   stamp "real shape $FIXTURE on $a, overlays: $REAL_OVERLAYS, sets: $REAL_SETS"
   for s in MODEL="$FIXTURE" SERVED_NAME=${SERVED:-fixture-qwen3.5-27b-class} GPU_ARCH="$a" $REAL_SETS; do sets+=(--set "$s"); done
+  inv patch.apply 2>&1 | tail -2  # serve refuses an unpatched vLLM
   inv plan --profile batch $ovl "${sets[@]}" 2>&1 | tee "$OUT/real-plan.txt"
   inv plan --profile batch $ovl "${sets[@]}" --json > "$OUT/real-plan.json" 2>/dev/null
   local t0=$SECONDS
@@ -115,6 +117,9 @@ step_real() {
 
 BG=()
 step_wait() { stamp "wait for ${#BG[@]} background step(s)"; for p in "${BG[@]}"; do wait "$p"; done; BG=(); }
+
+# A channel that brings back a few files only: `pack` tars OUT (less the Triton cache) into PACK.
+step_pack() { [ -n "${PACK:-}" ] && tar --exclude=triton-cache.tgz -czf "$PACK" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
 
 for step in "$@"; do
   case $step in
