@@ -16,14 +16,16 @@ is a skip that says why, never a pass.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata as md
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import httpx
@@ -273,19 +275,23 @@ class KnownAnswer:
     argument: str = ""
 
 
-def known_answers() -> dict[str, KnownAnswer]:
+@functools.cache
+def known_answers() -> Mapping[str, KnownAnswer]:
     """By model folder name. The trained tiny models (the embedded default, rig.models.train, and the quality
     battery's dense control) learned to call get_weather with the city they are asked about; the real
-    checkpoint must know the capital of France (not yet run on one)."""
+    checkpoint must know the capital of France (not yet run on one).
+
+    Computed once per process: the names come from parsing the train recipe's TOML and hashing the dense
+    control's training code, neither of which changes while rig runs. Read-only, as it is shared."""
     from rig.models import train
     from rig.quality import controls
 
     weather = KnownAnswer("What is the weather in Lima?", "Lima", train.WEATHER_TOOL, "city")
-    return {
+    return MappingProxyType({
         controls.RECIPE.name: weather,
         (paths.ROOT / train.load_recipe(train.DEFAULT_RECIPE).output).name: weather,
         "Qwen3.8-27B-W4A16-AutoRound": KnownAnswer("What is the capital of France? Answer in one word.", "Paris"),
-    }
+    })
 
 
 POST_HINTS = {401: "the API key is not this server's: pass --key-file FILE",

@@ -102,3 +102,15 @@ def tiny_model() -> Path:
 def _project_caches() -> None:
     """Keep every cache of the code under test inside the project, as the servers do."""
     os.environ.update(paths.cache_env())
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch on one CPU thread for the test, the setting restored after: the KVarN tests' CPU math (and the
+    Triton interpreter's, numpy underneath) would otherwise take every core of a host that a CI run shares."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

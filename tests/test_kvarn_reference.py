@@ -11,14 +11,13 @@ and with rotation and normalization switched off, the same margin check fails.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from rig.capacity import cards, shape
+from rig.kernels import load_file, module_name
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels" / "kvarn"
 MARGIN = 0.85
@@ -27,26 +26,9 @@ COS_GAIN = 0.05
 """KVarN's cosine must beat plain RTN's by this much (measured gains 0.173, 0.260, 0.292, same cases)."""
 
 
-def _load():
-    name = "rig_kernel_kvarn_reference"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, KERNEL_DIR / "reference.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-r = _load()
-
-
-@pytest.fixture(autouse=True)
-def _two_threads():
-    """Keep CPU use modest (a CI run shares this host); restore the setting after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+r = load_file(KERNEL_DIR / "reference.py", module_name("kvarn", "reference"))
+"""reference.py under the name kvarn_triton.py loads it by (one module object for both)."""
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_bytes_per_token_from_the_layout_fit_the_budget_and_equal_the_planner():
@@ -134,6 +116,16 @@ def test_bad_input_is_named():
 def test_constant_group_round_trips():
     x = torch.full((128, 4, 256), 0.5)
     assert torch.allclose(r.dequantize(r.quantize(x, 2)), x, atol=1e-3)
+
+
+def test_cached_context_is_whole_groups_round_tripped_and_the_tail_as_is():
+    _, k, _ = r.synthetic(256, seed=4)
+    k = k[:200].half()
+    ctx = r.cached_context(k, r.K_BITS)
+    assert ctx.dtype == torch.float32 and ctx.shape == k.shape
+    assert torch.equal(ctx[:128], r.roundtrip_cache(k[:128].float(), r.K_BITS))
+    assert torch.equal(ctx[128:], k[128:].float())
+    assert torch.equal(r.cached_context(k[:77], r.K_BITS), k[:77].float())  # no whole group: all tail
 
 
 def _attention_errors(length, seed, rotate, normalize, outliers=True):

@@ -28,7 +28,6 @@ time columns are printed as "smoke" (interpreter timings are not speeds).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -38,6 +37,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from rig.kernels import load_file  # noqa: E402
+
 KV_HEADS, HEAD_DIM, Q_HEADS, GROUP = 4, 256, 24, 128
 
 
@@ -45,12 +48,7 @@ def load_kernels(smoke: bool):
     """kernels/kvarn/kvarn_triton.py; --smoke sets TRITON_INTERPRET=1 first (triton reads it when it loads)."""
     if smoke:
         os.environ["TRITON_INTERPRET"] = "1"
-    name = "rig_kernel_kvarn_triton"
-    spec = importlib.util.spec_from_file_location(name, ROOT / "kernels" / "kvarn" / "kvarn_triton.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(ROOT / "kernels" / "kvarn" / "kvarn_triton.py", "rig_kernel_kvarn_triton", fresh=True)
 
 
 # ----------------------------------------------------------------------------- helpers

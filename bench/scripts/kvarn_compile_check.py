@@ -4,7 +4,8 @@ For each kernel at the shapes and launch options kernels/kvarn/kvarn_triton.py u
 (4 KV heads x 256, 24 query heads, 128-token groups), triton compiles to PTX and triton's bundled
 ptxas reports registers and spills; the shared memory is triton's. What it catches before a GPU
 run: a kernel that does not compile for an arch, spills, or needs more shared memory than the
-arch has (sm86: 99 KiB per block, sm90: 227 KiB). CPU work only (about a minute on 2 cores).
+arch has (sm86: 99 KiB per block, sm90: 227 KiB). CPU work only (about a minute on 2 cores). The
+compile loop is rig.kernels.build.compile_check, the one the int8 attention's report uses.
 
     python bench/scripts/kvarn_compile_check.py [--arch 86,90]
 """
@@ -12,39 +13,21 @@ arch has (sm86: 99 KiB per block, sm90: 227 KiB). CPU work only (about a minute 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
-import subprocess
 import sys
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED_LIMIT = {86: 99 * 1024, 90: 227 * 1024}
+sys.path.insert(0, str(ROOT))
+
+from rig.kernels import build as kbuild  # noqa: E402
+from rig.kernels import load_file  # noqa: E402
 
 
 def load_kernels():
     """kernels/kvarn/kvarn_triton.py as a module (compiled mode: TRITON_INTERPRET must be unset)."""
-    spec = importlib.util.spec_from_file_location("rig_kernel_kvarn_triton", ROOT / "kernels/kvarn/kvarn_triton.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def ptxas_usage(ptx: str, target: int) -> str:
-    """ptxas -v's register and spill lines for ``ptx`` on sm_<target>."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    found = get_ptxas(target)
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        arch = f"sm_{target}a" if target == 90 else f"sm_{target}"
-        run = subprocess.run([getattr(found, "path", found), "-v", f"--gpu-name={arch}", str(src), "-o",
-                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
-    return "; ".join(ln.split("info    :")[-1].strip() for ln in run.stderr.splitlines()
-                     if "Used" in ln or "spill" in ln)
+    return load_file(ROOT / "kernels/kvarn/kvarn_triton.py", "rig_kernel_kvarn_triton")
 
 
 def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
@@ -74,16 +57,15 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
     ]
 
 
-def compile_one(kernel, types: dict, constexprs: dict, options: dict, target: int):
-    """triton.compile for sm_<target> with 16-byte-aligned pointers (what the JIT assumes for torch tensors)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    names = list(inspect.signature(kernel.fn).parameters)
-    sig = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
-    src = triton.compiler.ASTSource(kernel, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", target, 32), options=options)
+def entries(kt, targets: list[int]) -> Iterator[dict]:
+    """specs() for each target as aot_specs()-shaped entries (what rig.kernels.build.compile_check compiles), with
+    16-byte-aligned pointers (what the JIT assumes for torch tensors)."""
+    for target in targets:
+        for label, kernel, types, constexprs, options in specs(kt):
+            names = list(inspect.signature(kernel.fn).parameters)
+            sig = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
+            yield {"name": label, "fn": kernel, "signature": sig, "constexprs": constexprs,
+                   "attrs": kbuild.pointer_attrs(sig), "options": options, "target": target, "arch": f"sm{target}"}
 
 
 def main() -> int:
@@ -96,18 +78,13 @@ def main() -> int:
     print(f"KVarN kernels compiled without a GPU, triton {triton.__version__}")
     print("\n| kernel | arch | shared bytes | within the arch's shared memory | ptxas |\n|---|---|---:|---|---|")
     bad = 0
-    for target in (int(x) for x in a.arch.split(",")):
-        for label, kernel, types, constexprs, options in specs(kt):
-            try:
-                k = compile_one(kernel, types, constexprs, options, target)
-            except Exception as e:  # noqa: BLE001 - a failed compile is the finding, reported in the table
-                bad += 1
-                print(f"| {label} | sm{target} | - | - | FAILED: {type(e).__name__}: {str(e)[:200]} |")
-                continue
-            fits = k.metadata.shared <= SHARED_LIMIT.get(target, 0)
-            bad += not fits
-            print(f"| {label} | sm{target} | {k.metadata.shared:,} | {'yes' if fits else 'NO'} | "
-                  f"{ptxas_usage(k.asm['ptx'], target)} |")
+    for c in kbuild.compile_check(entries(kt, [int(x) for x in a.arch.split(",")])):
+        if c.error:
+            bad += 1
+            print(f"| {c.name} | {c.arch} | - | - | FAILED: {c.error} |")
+            continue
+        bad += not c.fits
+        print(f"| {c.name} | {c.arch} | {c.shared_bytes:,} | {'yes' if c.fits else 'NO'} | {c.ptxas} |")
     return 1 if bad else 0
 
 

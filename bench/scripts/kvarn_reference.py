@@ -23,22 +23,20 @@ nothing to fix. CPU only: this measures the format's math, not any kernel's spee
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from rig.kernels import load_file, module_name  # noqa: E402
 
 
 def load_reference():
     """kernels/kvarn/reference.py as a module (it imports only torch)."""
-    spec = importlib.util.spec_from_file_location("kvarn_reference", ROOT / "kernels" / "kvarn" / "reference.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(ROOT / "kernels" / "kvarn" / "reference.py", module_name("kvarn", "reference"))
 
 
 def rows(r, length: int, seed: int, outliers: bool) -> list[tuple[str, float, float, float]]:

@@ -31,64 +31,33 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
-import json
 import math
-import os
-import platform
-import statistics
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL = "int8-prefill-attn"
-HQ, HKV, HEAD_DIM = 24, 4, 256
+sys.path.insert(0, str(ROOT))
+
+from rig.kernels import load_file, module_name  # noqa: E402
+from rig.kernels import prefill_bench as pb  # noqa: E402
+from rig.kernels.prefill_bench import HEAD_DIM, HKV, HQ, KERNEL  # noqa: E402
+
+parse_lengths = pb.positive_ints("--lengths")
 
 
 def load_kernel():
     """The kernel's ``attn`` module: through rig.kernels.load when rig has it, else by path."""
-    sys.path.insert(0, str(ROOT))
     try:
         from rig.kernels import load
 
         return load(KERNEL)
     except ImportError:  # rig's dependencies (pydantic) absent: a bare GPU host with torch and triton only
         pass
-    name = "rig_kernel_int8_prefill_attn_attn"  # rig.kernels.module_name's, so one process loads it once
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "kernels" / KERNEL / "attn.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def time_ms(fn: Callable[[], object], reps: int, warmup: int, budget_s: float) -> float:
-    """Median CUDA-event time of ``fn`` in ms: ``warmup`` untimed calls, then up to ``reps`` timed
-    ones, fewer when one call is long (at least 3), so a 64k row stays within ``budget_s``."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    first = start.elapsed_time(end)
-    n = max(3, min(reps, int(budget_s * 1000 / max(first, 1e-3))))
-    times = []
-    for _ in range(n):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    # under the name rig.kernels.load gives it, so one process loads it once
+    return load_file(ROOT / "kernels" / KERNEL / "attn.py", module_name(KERNEL, "attn"))
 
 
 def matmul_ceilings(n: int, reps: int) -> dict[str, float]:
@@ -99,8 +68,8 @@ def matmul_ceilings(n: int, reps: int) -> dict[str, float]:
     a16 = torch.randn(n, n, device="cuda", generator=gen, dtype=torch.bfloat16)
     b16 = torch.randn(n, n, device="cuda", generator=gen, dtype=torch.bfloat16)
     ops = 2 * n**3
-    int8_ms = time_ms(lambda: torch._int_mm(a8, b8), reps, 3, 2.0)
-    bf16_ms = time_ms(lambda: a16 @ b16, reps, 3, 2.0)
+    int8_ms = pb.time_ms(lambda: torch._int_mm(a8, b8), reps, 3, 2.0)
+    bf16_ms = pb.time_ms(lambda: a16 @ b16, reps, 3, 2.0)
     return {"int8_tops": ops / int8_ms / 1e9, "bf16_tflops": ops / bf16_ms / 1e9, "n": n}
 
 
@@ -146,7 +115,7 @@ def sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args) -> list[d
             row.pop("error", None)
             with sdpa_kernel(backends):
                 name = sdpa_backend_name(qt, kk, vv, gqa)
-            row.update(ms=time_ms(run, args.reps, args.warmup, args.budget_s), gqa="enable_gqa" if gqa else "repeat",
+            row.update(ms=pb.time_ms(run, args.reps, args.warmup, args.budget_s), gqa="enable_gqa" if gqa else "repeat",
                        note=f"{'enable_gqa' if gqa else 'repeat'}; {name}", out=out[0].transpose(0, 1))
             break
         rows.append(row)
@@ -158,7 +127,7 @@ def vllm_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args) -> list[d
     rows = []
     tokens = q.shape[0]
     scale = 1.0 / math.sqrt(HEAD_DIM)
-    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    cu = pb.cu_seqlens(tokens)
     try:
         from vllm.v1.attention.ops.triton_unified_attention import unified_attention
     except Exception as exc:
@@ -204,7 +173,7 @@ def _try_row(label: str, fn: Callable[[], torch.Tensor], args, note: str) -> dic
     """Run once for the output, then time; an exception becomes the row's error, not the script's."""
     try:
         out = fn().clone()
-        return {"variant": label, "ms": time_ms(fn, args.reps, args.warmup, args.budget_s), "note": note, "out": out}
+        return {"variant": label, "ms": pb.time_ms(fn, args.reps, args.warmup, args.budget_s), "note": note, "out": out}
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         return {"variant": label, "error": f"{type(exc).__name__}: {first}"[:200]}
@@ -213,7 +182,7 @@ def _try_row(label: str, fn: Callable[[], torch.Tensor], args, note: str) -> dic
 def our_rows(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args) -> list[dict]:
     """Rows for our kernel: pre-pass + attention, attention alone, pre-pass alone."""
     tokens = q.shape[0]
-    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    cu = pb.cu_seqlens(tokens)
     scale = 1.0 / math.sqrt(HEAD_DIM)
     prepass = attn.prepass()
     which = "CUDA pre-pass" if prepass is not attn.reference.smooth_quant else "torch pre-pass"
@@ -237,10 +206,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def bench_length(attn, tokens: int, args, ceilings: dict[str, float]) -> list[dict]:
     """Every row for one sequence of ``tokens`` tokens, with throughput and error against (a)."""
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    q = torch.randn(tokens, HQ, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
-    k = torch.randn(tokens, HKV, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
-    v = torch.randn(tokens, HKV, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+    q, k, v = pb.inputs(tokens)
     rows = our_rows(attn, q, k, v, args) + sdpa_rows(q, k, v, args) + vllm_rows(q, k, v, args)
     flash = next((r for r in rows if r["variant"] == "(a) sdpa flash" and "ms" in r), None)
     flops = causal_flops(tokens)
@@ -275,13 +241,11 @@ def sweep_tiles(attn, tokens: int, args) -> None:
     family = attn.arch_family(torch.cuda.get_device_capability())
     key = (family, HEAD_DIM)
     kept = attn.TILES[key]
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    q, k, v = (torch.randn(tokens, h, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
-               for h in (HQ, HKV, HKV))
-    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    q, k, v = pb.inputs(tokens)
+    cu = pb.cu_seqlens(tokens)
     parts = attn.reference.smooth_quant(q, k, cu, tokens)
     small = [x[:1000] for x in (q, k, v)]
-    cu_small = torch.tensor([0, 1000], dtype=torch.int32, device="cuda")
+    cu_small = pb.cu_seqlens(1000)
     small_parts = attn.reference.smooth_quant(small[0], small[1], cu_small, 1000)
     emu = attn.reference.attention_int8_ref(*small_parts, small[2], cu_small, 1 / math.sqrt(HEAD_DIM))
     print(f"tile sweep for {key} at {tokens} tokens (TILES has {tuple(kept)}):")
@@ -291,7 +255,7 @@ def sweep_tiles(attn, tokens: int, args) -> None:
             try:
                 got = attn.attn_int8(*small_parts, small[2], cu_small, 1000, 1 / math.sqrt(HEAD_DIM))
                 err = float(attn.reference.rel_err_per_head(got, emu).max())
-                ms = time_ms(lambda: attn.attn_int8(*parts, v, cu, tokens, 1 / math.sqrt(HEAD_DIM)), args.reps,
+                ms = pb.time_ms(lambda: attn.attn_int8(*parts, v, cu, tokens, 1 / math.sqrt(HEAD_DIM)), args.reps,
                              args.warmup, args.budget_s)
                 tflops = causal_flops(tokens) / ms / 1e9
                 print(f"  {cfg}: {ms:8.3f} ms {tflops:6.1f} TFLOP/s, err vs emulation {err:.1e}")
@@ -314,12 +278,8 @@ def projection_3090(speedup_bound_source: Path = ROOT / "hardware" / "gpus.toml"
 
 
 def versions() -> dict[str, str]:
-    """Device, driver-side and library versions the figures belong to."""
-    import triton
-
-    info = {"device": torch.cuda.get_device_name(), "capability": "sm{}{}".format(*torch.cuda.get_device_capability()),
-            "torch": torch.__version__, "cuda": str(torch.version.cuda), "triton": triton.__version__,
-            "python": platform.python_version()}
+    """Device, driver-side and library versions the figures belong to, vLLM's among them."""
+    info = pb.versions()
     try:
         import vllm
 
@@ -350,26 +310,6 @@ def print_table(info: dict, ceilings: dict, rows: list[dict]) -> None:
         if "of_mixed_ceiling" in r:
             note += f"; {100 * r['of_mixed_ceiling']:.0f}% of mixed ceiling"
         print(f"{r['tokens']:>7} {r['variant']:<24} {r['ms']:>9.3f} {rate:>8} {sp:>7} {err:>10}  {note}")
-
-
-def write_json(path: Path, payload: dict) -> None:
-    """Write ``payload`` atomically (a temporary file in the same folder, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def parse_lengths(text: str) -> list[int]:
-    """'1024,4096' → [1024, 4096]; an entry that is not a positive integer is an error naming it."""
-    out = []
-    for part in text.split(","):
-        if not part.strip().isdigit() or int(part) < 1:
-            raise argparse.ArgumentTypeError(f"--lengths: {part!r} is not a positive integer")
-        out.append(int(part))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     print(projection_3090())
     if args.json:
         stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        write_json(args.json, {"measured_utc": stamp, "versions": info, "ceilings": ceilings,
+        pb.write_json(args.json, {"measured_utc": stamp, "versions": info, "ceilings": ceilings,
                                "projection_3090": projection_3090(),
                                "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "dtype": "bf16"},
                                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

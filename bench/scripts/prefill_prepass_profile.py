@@ -38,20 +38,19 @@ import argparse
 import contextlib
 import ctypes
 import datetime
-import json
-import os
-import platform
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL = "int8-prefill-attn"
-HQ, HKV, HEAD_DIM = 24, 4, 256
+sys.path.insert(0, str(ROOT))
+
+from rig.kernels import prefill_bench as pb  # noqa: E402
+from rig.kernels.prefill_bench import HEAD_DIM, HKV, HQ, KERNEL  # noqa: E402
+
 DRIVER_CALLS = ("cuGetErrorName", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxGetCurrent", "cuCtxSetCurrent",
                 "cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel")
 """The driver functions rig.kernels.cubin binds (the PyDLL variant copies their prototypes)."""
@@ -83,18 +82,7 @@ def host_us(fn: Callable[[], object], reps: int) -> float:
 
 def event_us(fn: Callable[[], object], reps: int) -> float:
     """Median CUDA-event µs of ``fn`` on an idle GPU, synced after each (prefill_attn_bench's way)."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(ms * 1e3 for ms in pb.event_ms(fn, reps))
 
 
 def sleep_cycles_per_us() -> float:
@@ -117,18 +105,8 @@ def gpu_us(fn: Callable[[], object], reps: int, cycles_per_us: float, host: floa
     queue the start event, ``fn``'s launches and the end event, so no host time falls between them."""
     import torch
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     cycles = int(cycles_per_us * (3 * host + 500))
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(cycles)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(ms * 1e3 for ms in pb.event_ms(fn, reps, before=lambda: torch.cuda._sleep(cycles)))
 
 
 # ----------------------------------------------------------------------------- the staged call
@@ -141,10 +119,8 @@ class Staged:
         import torch
 
         self.attn, self.cubin, self.ref = attn, cubin, attn.reference
-        gen = torch.Generator(device="cuda").manual_seed(tokens)
-        self.q, self.k, self.v = (torch.randn(tokens, h, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
-                                  for h in (HQ, HKV, HKV))
-        self.cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+        self.q, self.k, self.v = pb.inputs(tokens)
+        self.cu = pb.cu_seqlens(tokens)
         self.tokens = tokens
         self.block = self.ref.QUANT_BLOCK
         self.scale = self.ref.default_sm_scale(HEAD_DIM)
@@ -286,15 +262,6 @@ def profile(staged: Staged, calls: int, trace: Path | None) -> dict:
 # ----------------------------------------------------------------------------- output
 
 
-def versions() -> dict[str, str]:
-    import torch
-    import triton
-
-    return {"device": torch.cuda.get_device_name(), "capability": "sm{}{}".format(*torch.cuda.get_device_capability()),
-            "torch": torch.__version__, "cuda": str(torch.version.cuda), "triton": triton.__version__,
-            "python": platform.python_version()}
-
-
 def print_table(rows: list[dict]) -> None:
     head = f"{'tokens':>7} {'stage':<32} {'host us':>9} {'GPU us':>9} {'event us':>9}  bound"
     print(head)
@@ -319,28 +286,11 @@ def print_gil(phases: dict[str, dict]) -> None:
               f"{len(d['threads'])} Python threads: {', '.join(d['threads'])}")
 
 
-def write_json(path: Path, payload: dict) -> None:
-    """Write ``payload`` atomically (a temporary file in the same folder, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def parse_tokens(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        if not part.strip().isdigit() or int(part) < 1:
-            raise argparse.ArgumentTypeError(f"--tokens: {part!r} is not a positive integer")
-        out.append(int(part))
-    return out
+parse_tokens = pb.positive_ints("--tokens")
 
 
 def load_kernel(kernel: str):
     """(attn module, rig.kernels.cubin) for the checkout this script is in."""
-    sys.path.insert(0, str(ROOT))
     from rig.kernels import cubin, load
 
     return load(kernel, "attn"), cubin
@@ -373,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefill_prepass_profile: the CUDA pre-pass is not in use ({why}); `inv kernels.build --arch {arch}` "
               "builds it", file=sys.stderr)
         return 3
-    info = versions()
+    info = pb.versions()
     attn.warmup(HQ, HKV, HEAD_DIM, torch.bfloat16, "cuda")
     cycles = sleep_cycles_per_us()
     print(f"device {info['device']} ({info['capability']}), torch {info['torch']} (CUDA {info['cuda']}), "
@@ -404,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.trace}")
     if args.json:
         stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        write_json(args.json, {"measured_utc": stamp, "versions": info, "spin_cycles_per_us": cycles,
+        pb.write_json(args.json, {"measured_utc": stamp, "versions": info, "spin_cycles_per_us": cycles,
                                "switch_interval_s": sys.getswitchinterval(),
                                "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "dtype": "bf16"},
                                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

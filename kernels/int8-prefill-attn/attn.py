@@ -352,38 +352,23 @@ def aot_specs(num_q_heads: int = MODEL_HEADS[0], num_kv_heads: int = MODEL_HEADS
     return specs
 
 
-def _ptxas_usage(ptx: str, target: int) -> str:
-    """ptxas -v's register and spill line for ``ptx`` on sm_<target> (triton's bundled ptxas), or ''."""
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    found = get_ptxas(target)
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        arch = f"sm_{target}a" if target == 90 else f"sm_{target}"
-        run = subprocess.run([getattr(found, "path", found), "-v", f"--gpu-name={arch}", str(src), "-o",
-                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
-    lines = [ln.split("info    :")[-1].strip() for ln in run.stderr.splitlines() if "Used" in ln or "spill" in ln]
-    return "; ".join(lines)
-
-
 def aot_report() -> list[str]:
     """Compile every ``aot_specs()`` entry for its target (no GPU needed) → one line each with the
-    shared memory Triton reserves and ptxas's registers/spills: what must fit an sm86 SM."""
-    from triton.backends.compiler import GPUTarget
+    shared memory Triton reserves and ptxas's registers/spills: what must fit an sm86 SM.
 
-    lines = []
-    for s in aot_specs():
-        src = triton.compiler.ASTSource(s["fn"], s["signature"], s["constexprs"], s["attrs"])
-        compiled = triton.compile(src, target=GPUTarget("cuda", s["target"], 32), options=s["options"])
-        lines.append(f"{s['name']}: {s['options']}, shared {compiled.metadata.shared} bytes; "
-                     f"{_ptxas_usage(compiled.asm['ptx'], s['target'])}")
-    return lines
+    The loop is rig's (``rig.kernels.build.compile_check``, the one the KVarN compile check runs too),
+    imported here and not at the top: this file is loaded by path inside a vLLM server, without rig.
+    """
+    from rig.kernels.build import compile_check
+
+    return [f"{c.name}: {c.options}, " + (f"FAILED: {c.error}" if c.error else
+                                          f"shared {c.shared_bytes} bytes; {c.ptxas}")
+            for c in compile_check(aot_specs())]
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parents[1]))  # the checkout, for rig.kernels.build
     print(f"triton {triton.__version__}")
-    print("\n".join(aot_report()))
+    report = aot_report()
+    print("\n".join(report))
+    sys.exit(1 if any(": FAILED: " in line for line in report) else 0)

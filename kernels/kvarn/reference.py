@@ -191,6 +191,17 @@ def roundtrip_cache(x: torch.Tensor, bits: int, rotate: bool = True, normalize: 
     return torch.cat([dequantize(quantize(g, bits, rotate, normalize)) for g in groups], 0)
 
 
+def cached_context(x: torch.Tensor, bits: int, rotate: bool = True, normalize: bool = True) -> torch.Tensor:
+    """What a paged KVarN cache holds for ``x`` [length, heads, dim], in float32: its whole groups through
+    quantize/dequantize, the newest ``length % GROUP_TOKENS`` tokens (the unquantized tail) as they are.
+
+    The context the kernels' prefill and decode attend over, so the tests build their expected outputs from it.
+    """
+    n = x.shape[0] // GROUP_TOKENS * GROUP_TOKENS
+    x = x.to(torch.float32)
+    return torch.cat([roundtrip_cache(x[:n], bits, rotate, normalize), x[n:]]) if n else x
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for queries q [n, q_heads, d] over a cache k, v [L, kv_heads, d] (GQA)."""
     rep = q.shape[1] // k.shape[1]

@@ -66,15 +66,26 @@ def load(name: str, module: str | None = None, root: Path | None = None, fresh: 
     mod_name = module_name(name, module)
     if fresh:
         mod_name += "_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    elif mod_name in sys.modules:
-        return sys.modules[mod_name]
-    mod_spec = importlib.util.spec_from_file_location(mod_name, path)
-    loaded = importlib.util.module_from_spec(mod_spec)
-    sys.modules[mod_name] = loaded
+    return load_file(path, mod_name, fresh)
+
+
+def load_file(path: Path, name: str, fresh: bool = False) -> ModuleType:
+    """The Python file at ``path`` as module ``name``: what ``load`` does once it has the path, and how tests and
+    bench scripts load a kernel folder's file that no kernel.toml declares (kernels/kvarn).
+
+    Registered in sys.modules before it runs (a dataclass or a sibling loader looks its module up while the file
+    runs) and removed again when it raises; once per process: a second call returns the same module, unless
+    ``fresh``, which executes the file anew.
+    """
+    if not fresh and name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[name] = loaded
     try:
-        mod_spec.loader.exec_module(loaded)
+        spec.loader.exec_module(loaded)
     except BaseException:
-        del sys.modules[mod_name]
+        del sys.modules[name]
         raise
     return loaded
 

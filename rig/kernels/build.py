@@ -23,7 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,8 +127,13 @@ def _triton_settings() -> Iterator[None]:
         yield
 
 
-def compile_spec(aot: dict, arch: str) -> tuple[bytes, dict[str, int | str]]:
-    """One entry of ``aot_specs()`` compiled for its arch: (cubin bytes, metadata the launcher needs)."""
+def _target(aot: dict, arch: str) -> int:
+    """The compute capability an aot_specs() entry compiles for: its ``target``, else the arch's number."""
+    return int(aot.get("target", arch.removeprefix("sm")))
+
+
+def _compile(aot: dict, arch: str):
+    """``triton.compile`` of one aot_specs() entry for its target (no GPU needed): the compiled kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -136,12 +141,73 @@ def compile_spec(aot: dict, arch: str) -> tuple[bytes, dict[str, int | str]]:
     src = ASTSource(fn=aot["fn"], signature=aot["signature"], constexprs=aot.get("constexprs", {}),
                     attrs=aot.get("attrs", {}))
     options = {"enable_fp_fusion": True, **aot.get("options", {})}
-    target = GPUTarget("cuda", int(aot.get("target", arch.removeprefix("sm"))), 32)
-    compiled = triton.compile(src, target=target, options=options)
+    return triton.compile(src, target=GPUTarget("cuda", _target(aot, arch), 32), options=options)
+
+
+def compile_spec(aot: dict, arch: str) -> tuple[bytes, dict[str, int | str]]:
+    """One entry of ``aot_specs()`` compiled for its arch: (cubin bytes, metadata the launcher needs)."""
+    compiled = _compile(aot, arch)
     md = compiled.metadata
     meta = {"kernel": md.name, "shared_bytes": int(md.shared), "num_warps": int(md.num_warps),
             "num_stages": int(md.num_stages)}
     return compiled.asm["cubin"], meta
+
+
+def pointer_attrs(signature: dict[str, str]) -> dict[tuple[int], list[list]]:
+    """16-byte alignment for every pointer argument of a Triton signature: what the JIT assumes for torch's
+    allocations, so a kernel compiled ahead of time (or checked) is the one the JIT would build."""
+    names = list(signature)
+    return {(names.index(n),): [["tt.divisibility", 16]] for n, ty in signature.items() if ty.startswith("*")}
+
+
+def ptxas_usage(ptx: str, target: int) -> str:
+    """ptxas -v's register and spill lines for ``ptx`` on sm_<target> (Triton's bundled ptxas), or ''."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    found = get_ptxas(target)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        arch = f"sm_{target}a" if target == 90 else f"sm_{target}"
+        run = subprocess.run([getattr(found, "path", found), "-v", f"--gpu-name={arch}", str(src), "-o",
+                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+    return "; ".join(ln.split("info    :")[-1].strip() for ln in run.stderr.splitlines()
+                     if "Used" in ln or "spill" in ln)
+
+
+@dataclass(frozen=True)
+class CompileCheck:
+    """One aot_specs()-shaped entry compiled for its arch: the shared memory Triton reserves and ptxas's
+    registers and spills, or why it did not compile."""
+
+    name: str
+    arch: str
+    options: dict
+    shared_bytes: int | None = None
+    ptxas: str = ""
+    error: str = ""
+
+    @property
+    def fits(self) -> bool:
+        """Compiled, and within the arch's shared memory per block (an arch rig has no limit for never fits)."""
+        return self.shared_bytes is not None and self.shared_bytes <= SHARED_BYTES_PER_BLOCK.get(self.arch, 0)
+
+
+def compile_check(aots: Iterable[dict]) -> Iterator[CompileCheck]:
+    """Compile each entry (aot_specs()'s shape: name, fn, signature, constexprs, attrs, options, arch/target) for
+    its arch without a GPU, one at a time as the caller iterates. What it catches before a GPU run: a kernel that
+    does not compile for an arch (its ``error``: the finding, reported beside the others, not raised), spills,
+    or needs more shared memory than the arch has. Used by kernels' own reports and bench scripts alike."""
+    for aot in aots:
+        arch = _spec_arch(aot, "compile_check")
+        options = aot.get("options", {})
+        try:
+            compiled = _compile(aot, arch)
+        except Exception as e:  # noqa: BLE001 - a failed compile is the finding
+            yield CompileCheck(aot["name"], arch, options, error=f"{type(e).__name__}: {str(e)[:200]}")
+            continue
+        yield CompileCheck(aot["name"], arch, options, int(compiled.metadata.shared),
+                           ptxas_usage(compiled.asm["ptx"], _target(aot, arch)))
 
 
 def _spec_arch(aot: dict, module: str) -> str:

@@ -28,7 +28,7 @@ from typing import Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from rig import paths, tomlfile
-from rig.models import corpus, recall, tiny
+from rig.models import corpus, folder, recall, tiny
 
 
 class DataRecipe(Protocol):
@@ -337,36 +337,11 @@ def _train(recipe: TrainRecipe, steps: int | None, dev: str, log) -> dict:
 
 
 def save(recipe: TrainRecipe, result: dict, dest: Path) -> Path:
-    """Write a servable folder atomically (built aside, renamed): bf16 safetensors, tokenizer, config, and a
+    """Write a servable folder atomically (``rig.models.folder.write``): bf16 safetensors, tokenizer, config, and a
     manifest with the recipe's digest, the loss curve and every file's sha256."""
-    import torch
-    from safetensors.torch import save_file
-
-    dest = dest.resolve()
-    work = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    result["tokenizer"].save_pretrained(work)
-    config = result["config"]
-    state = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(result["state"].items())}
-    save_file(state, str(work / "model.safetensors"), metadata={"format": "pt"})
-    (work / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (work / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-         "pad_token_id": config["pad_token_id"]}, indent=2, sort_keys=True) + "\n")
-    files = {p.name: tiny._sha256(p) for p in sorted(work.iterdir()) if p.is_file()}
     record = {"recipe": recipe.model_dump(), "recipe_digest": recipe.digest(), "training": result["stats"],
-              "curve": result["curve"], "files": files}
-    (work / tiny.MANIFEST).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    if dest.exists():
-        old = dest.with_name(dest.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        dest.rename(old)
-        work.rename(dest)
-        shutil.rmtree(old)
-    else:
-        work.rename(dest)
-    return dest
+              "curve": result["curve"]}
+    return folder.write(dest.resolve(), result["config"], result["tokenizer"], result["state"], record)
 
 
 DEFAULT_RECIPE = paths.ROOT / "models" / "recipes" / "tiny-hybrid-train.toml"

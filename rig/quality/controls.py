@@ -27,13 +27,12 @@ import hashlib
 import json
 import math
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rig import paths
-from rig.models import corpus, tiny
+from rig.models import corpus, folder, tiny
 from rig.models.train import (
     ASK_CODE,
     ASK_GERMAN,
@@ -133,35 +132,13 @@ def train(recipe: Recipe = RECIPE, log=print) -> tuple[dict, object, dict, dict]
     return config, fast, {k: v.detach().contiguous() for k, v in model.state_dict().items()}, stats
 
 
-def _save(dest: Path, config: dict, fast, state: dict, extra: dict) -> Path:
-    """Write a servable folder atomically (built aside, renamed) with a sha256 manifest."""
-    import torch
-    from safetensors.torch import save_file
-
-    work = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    fast.save_pretrained(work)
-    state = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(state.items())}
-    save_file(state, str(work / "model.safetensors"), metadata={"format": "pt"})
-    (work / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (work / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-         "pad_token_id": config["pad_token_id"]}, indent=2, sort_keys=True) + "\n")
-    files = {p.name: tiny._sha256(p) for p in sorted(work.iterdir()) if p.is_file()}
-    (work / tiny.MANIFEST).write_text(json.dumps({**extra, "files": files}, indent=2, sort_keys=True) + "\n")
-    shutil.rmtree(dest, ignore_errors=True)
-    work.rename(dest)
-    return dest
-
-
 def trained(recipe: Recipe = RECIPE, log=print) -> Path:
     """The trained model's folder: cached by the recipe's hash, trained (~2-3 min) when absent."""
     dest = paths.models_dir() / recipe.name
     if dest.exists() and tiny.verify(dest):
         return dest
     config, fast, state, stats = train(recipe, log)
-    return _save(dest, config, fast, state, {"recipe": asdict(recipe), "training": stats})
+    return folder.write(dest, config, fast, state, {"recipe": asdict(recipe), "training": stats})
 
 
 def degrade(src: Path, noise: float = 1.0, seed: int = 0) -> Path:
@@ -184,7 +161,8 @@ def degrade(src: Path, noise: float = 1.0, seed: int = 0) -> Path:
         out[k] = w + noise * w.std() * torch.randn(w.shape, generator=gen) if k.endswith("proj.weight") else w
     config = json.loads((src / "config.json").read_text())
     how = f"gaussian noise {noise} x std per linear weight, seed {seed}"
-    return _save(dest, config, AutoTokenizer.from_pretrained(src), out, {"degraded_from": src.name, "degradation": how})
+    record = {"degraded_from": src.name, "degradation": how}
+    return folder.write(dest, config, AutoTokenizer.from_pretrained(src), out, record)
 
 
 def _measure(steps: int = 3) -> None:
