@@ -30,9 +30,13 @@ class Knobs(BaseModel):
             "0 = explicitly off (--no-enable-prefix-caching: 0.28 turns it on by default for these models)"
         )
     )
-    KV: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "kvarn"] = Field(
+    KV: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "int8_per_token_head",
+                "int4_per_token_head", "fp8_per_token_head", "turboquant_k8v4", "turboquant_4bit_nc",
+                "turboquant_k3v4_nc", "turboquant_3bit_nc", "kvarn"] = Field(
         description=(
-            "KV cache dtype; `kvarn` = the KVarN 4/2-bit cache (262k context, needs kernels/kvarn and BLOCK_SIZE)"
+            "KV cache dtype (--kv-cache-dtype); `*_per_token_head` (Triton backend) and `turboquant_*` (TurboQuant "
+            "backend) are vLLM's own, CUDA only, `fp8_per_token_head` from sm89; `kvarn` = the KVarN 4/2-bit cache "
+            "(262k context, needs kernels/kvarn and BLOCK_SIZE)"
         )
     )
     INT8_ACT: Literal["", "int8", "fp8"] = Field(
