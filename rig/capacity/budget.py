@@ -106,6 +106,14 @@ def plan_budget(knobs: dict[str, Any], platform: str, s: Shape, card: cards.Card
         return b
     if not b.kv_bytes or b.kv_bytes <= 0:
         return b
+    if kv_dtype.startswith("turboquant_") and not s.gdn_layers:
+        # TurboQuantConfig.get_boundary_skip_layers (vllm/model_executor/layers/quantization/turboquant/config.py)
+        # keeps a dense model's first and last 2 layers in the model's dtype, and
+        # Platform._align_heterogeneous_kv_block_size then sizes one pool for two pages: not restated here.
+        b.warnings.append(f"KV={kv_dtype!r} on a dense model: vLLM keeps its first and last 2 layers unquantized "
+                          "and pads one pool for both pages, which the planner does not restate: the pool is not "
+                          "predicted (a hybrid model has no such layers)")
+        return b
     # BLOCK_SIZE=0 is vLLM's choice: 128 on its CPU platform (vllm/platforms/cpu.py), the backend's 16 on CUDA.
     requested_block = knobs["BLOCK_SIZE"] or (128 if platform == "cpu" else 0)
     p = pages.pool(s, kv_dtype, knobs["MAMBA_SSM_DTYPE"], b.kv_bytes, knobs["MAX_LEN"], requested_block,

@@ -130,8 +130,9 @@ def render(r: Report, width: int = 110) -> str:
     t.add_row("KV cache", _g(b.kv_bytes), f"from {b.kv_source}")
     p = b.pool
     if p:
+        match = f"; prefix-cache hits in multiples of {p.match_unit} tokens" if p.match_unit else ""
         t.add_row("block / page", f"{p.block_size} tokens", f"page {p.page_bytes:,} B (mamba {p.mamba_page_bytes:,} B, "
-                  f"padded {p.padding:.2%}); {p.groups} groups of {p.layers_per_group} layers")
+                  f"padded {p.padding:.2%}); {p.groups} groups of {p.layers_per_group} layers{match}")
         t.add_row("pool", f"{p.reported_tokens:,} tokens", f"{p.blocks} blocks; max concurrency at MAX_LEN "
                   f"{k['MAX_LEN']:,}: {p.max_concurrency:.2f}x")
         t.add_row("seats", f"{b.short_seats} short", f"{b.seats_at_max_len} at MAX_LEN; MAX_SEQS {k['MAX_SEQS']}; "
