@@ -125,6 +125,50 @@ def test_hybrid_block_and_page_are_vllms_own_rule(vllm_configs, model, kv, ssm):
     assert (p.block_size, p.page_bytes) == (block, page or p.mamba_page_bytes)
 
 
+def _kvarn_kernels():
+    """kernels/kvarn/kvarn_triton.py (imports triton), under the name its tests use."""
+    import importlib.util
+    import sys
+
+    pytest.importorskip("triton", reason="the KVarN kernels are Triton")
+    name = "rig_kernel_kvarn_triton"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, paths.ROOT / "kernels" / "kvarn" / "kvarn_triton.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def test_kvarn_pool_takes_each_seats_tail_from_the_kv_cache():
+    """KV=kvarn: every running sequence keeps its newest < 128 tokens unpacked in each attention layer. The planner
+    reserves MAX_SEQS such tails out of the KV cache before vLLM's blocks, with the bytes of the kernels' own
+    tail buffers, and says so in the plan output."""
+    import torch
+
+    kt = _kvarn_kernels()
+    kv_mem = 8 * 2**30
+    plan = resolve("kvarn", platform="gpu", environ={}, sets={"KV_MEM": str(kv_mem)})
+    r = report.for_plan(plan, RTX3090)
+    p, b = r.budget.pool, r.budget
+    s = shape.real_shape()
+    per_layer = kt.tail_bytes_per_seq(kt.MODEL_LAYOUT, torch.bfloat16)
+    cache = kt.PagedKvarnCache(1, plan.knobs["MAX_SEQS"], 1, tail_dtype=torch.bfloat16)
+    assert p.tail_layer_bytes == per_layer == 524_288
+    assert p.tail_seat_bytes * plan.knobs["MAX_SEQS"] == p.tail_reserved_bytes
+    assert p.tail_reserved_bytes == s.attention_layers * (cache.tail_k.nbytes + cache.tail_v.nbytes)
+    untailed = pages.pool(s, "kvarn", "float16", kv_mem - p.tail_reserved_bytes, plan.knobs["MAX_LEN"], 128)
+    assert (p.blocks, p.block_size) == (untailed.blocks, 2048) and untailed.tail_reserved_bytes == 0
+    assert pages.pool(s, "kvarn", "float16", kv_mem, plan.knobs["MAX_LEN"], 128).blocks > p.blocks
+    assert b.kv_mem_exact == p.blocks * p.block_bytes + p.tail_reserved_bytes
+    again = report.for_plan(resolve("kvarn", platform="gpu", environ={}, sets={"KV_MEM": str(b.kv_mem_exact)}),
+                            RTX3090).budget.pool
+    assert again.blocks == p.blocks
+    text = report.render(r)
+    assert "kvarn tail" in text and "8,388,608 B / seat" in text and "524,288 B a layer" in text
+    assert [w for w in b.warnings if w.startswith("KV='kvarn' is a planned format") and "0.50 GiB for MAX_SEQS=64" in w]
+
+
 def test_tiny_pool_is_what_a_live_cpu_server_reported():
     """KV_MEM=1G on the tiny hybrid: 260,616 tokens, the pool `bench/scripts/server_memory.py --kv-mem 1G`
     read from a running server's log (docs/profiles.md, 2026-12-03)."""

@@ -10,6 +10,8 @@ rule of ``Platform._align_hybrid_block_size`` is restated (it needs a model buil
 config); tests/test_capacity.py holds it to vLLM's own ``_align_hybrid_block_size`` run on a config of the
 model for every dtype the planner sizes, and
 tests/test_server_live.py::test_capacity_plan_matches_what_the_live_cpu_server_built to a running server's log.
+KV=kvarn has no vLLM backend: its page and per-seat tail come from the format's layout
+(rig/capacity/kvarn.py), fed through the same vLLM code.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from functools import cache
 from types import SimpleNamespace
 from typing import Any
 
+from rig.capacity import kvarn
 from rig.capacity.shape import Shape
 
-# --kv-cache-dtype values the planner sizes (vLLM 0.28's CacheDType names); kvarn is rig's own, planned.
-# nvfp4 is not here: only FlashInfer packs it, and FlashInfer does not import on CPU.
+# --kv-cache-dtype values the planner sizes (vLLM 0.28's CacheDType names); kvarn is rig's own, planned
+# (rig/capacity/kvarn.py). nvfp4 is not here: only FlashInfer packs it, and FlashInfer does not import on CPU.
 KV_DTYPES = ("bfloat16", "fp8", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head",
              "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 
@@ -74,9 +77,13 @@ def _backend(kv_dtype: str) -> Any:
 
 
 def attention_spec(s: Shape, kv_dtype: str, tp: int = 1, block: int = 1) -> Any:
-    """The attention layer's KV spec as the backend publishes it (``customize_spec``); ``auto`` = the model's dtype."""
+    """The attention layer's KV spec as the backend publishes it (``customize_spec``); ``auto`` = the model's
+    dtype. kvarn: the packed page a kvarn backend would publish (rig/capacity/kvarn.py), bytes per head and token."""
     v = _vllm()
     heads = max(1, s.num_key_value_heads // tp)
+    if kv_dtype == "kvarn":
+        return v.FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=s.head_dim, dtype=v.torch.uint8,
+                                   state_content_bytes=kvarn.head_token_bytes(s.head_dim))
     dtype = model_dtype(s) if kv_dtype == "auto" else v.str_dtype[kv_dtype]
     spec = v.FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=s.head_dim, dtype=dtype,
                                kv_quant_mode=v.quant_mode(kv_dtype))
@@ -90,7 +97,9 @@ def attention_token_bytes(s: Shape, kv_dtype: str, tp: int = 1) -> int:
 
 def kernel_block(kv_dtype: str) -> int:
     """The smallest kernel block the dtype's backend takes (vLLM aligns the hybrid block to it): 16 for Triton
-    and TurboQuant (as for FlashAttention and FlashInfer)."""
+    and TurboQuant (as for FlashAttention and FlashInfer); kvarn's kernel reads whole 128-token groups."""
+    if kv_dtype == "kvarn":
+        return kvarn.group_tokens()
     v = _vllm()
     sizes = _backend(kv_dtype).get_supported_kernel_block_sizes()
     return min(b.base if isinstance(b, v.MultipleOf) else b for b in sizes)
@@ -154,6 +163,9 @@ class Pool:
     state_groups: int
     align: bool = False
     num_spec: int = 0
+    tail_layer_bytes: int = 0
+    tail_seat_bytes: int = 0
+    tail_reserved_bytes: int = 0
     match_unit: int = 0
     """Tokens a prefix-cache hit's length is a multiple of (vLLM's hash_block_size); 0 = prefix caching off."""
 
@@ -161,6 +173,10 @@ class Pool:
     def block_bytes(self) -> int:
         """Bytes one block of the shared pool takes (a page in each of the group's layers)."""
         return self.page_bytes * self.layers_per_group
+
+    def kv_bytes_for(self, blocks: int) -> int:
+        """The KV cache bytes that give ``blocks`` blocks: the blocks plus the kvarn tails reserved beside them."""
+        return blocks * self.block_bytes + self.tail_reserved_bytes
 
     @property
     def padding(self) -> float:
@@ -181,9 +197,21 @@ class Pool:
         return max(0, (self.blocks - 1 - self.state_blocks(self.block_size + 1)) * self.block_size)
 
 
+def tail_layer_bytes(s: Shape, kv_dtype: str, tp: int = 1) -> int:
+    """What one running sequence holds outside the blocks in one attention layer: for kvarn its unquantized
+    tail (the newest < 128 tokens, a whole group in the model's dtype); nothing for vLLM's own dtypes."""
+    if kv_dtype != "kvarn":
+        return 0
+    return kvarn.tail_bytes(max(1, s.num_key_value_heads // tp), s.head_dim, s.dtype_bytes)
+
+
 def pool(s: Shape, kv_dtype: str, ssm_dtype: str, kv_bytes: int, max_len: int, requested_block: int = 0,
-         prefix_cache: bool = False, num_spec: int = 0, tp: int = 1) -> Pool:
-    """The KV pool of ``kv_bytes`` bytes: vLLM's grouping, block count and reported token figure."""
+         prefix_cache: bool = False, num_spec: int = 0, tp: int = 1, max_seqs: int = 0) -> Pool:
+    """The KV pool of ``kv_bytes`` bytes: vLLM's grouping, block count and reported token figure.
+
+    KV=kvarn: the tails of ``max_seqs`` seats (one per running sequence and attention layer, fixed
+    buffers like the kernels' PagedKvarnCache) are taken out of ``kv_bytes`` before the blocks.
+    """
     v = _vllm()
     attn_token = attention_token_bytes(s, kv_dtype, tp)
     mamba_page = mamba_page_bytes(s, ssm_dtype, tp, num_spec)
@@ -191,6 +219,9 @@ def pool(s: Shape, kv_dtype: str, ssm_dtype: str, kv_bytes: int, max_len: int, r
     page = bs * attn_token
     mode = "align" if prefix_cache else "none"
     attn = attention_spec(s, kv_dtype, tp, bs)
+    tail_layer = tail_layer_bytes(s, kv_dtype, tp)
+    tail_seat = tail_layer * s.attention_layers
+    reserved = tail_seat * max_seqs
     mamba = v.MambaSpec(shapes=state_shapes(s, tp, num_spec), dtypes=state_dtypes(s, ssm_dtype), block_size=bs,
                         page_size_padded=page if page != mamba_page else None, mamba_cache_mode=mode,
                         num_speculative_blocks=num_spec)
@@ -202,7 +233,7 @@ def pool(s: Shape, kv_dtype: str, ssm_dtype: str, kv_bytes: int, max_len: int, r
     object.__setattr__(cfg, "model_config", SimpleNamespace(max_model_len=max_len))
     try:
         groups = v.utils.get_kv_cache_groups(cfg, specs)
-        kv_config = v.utils.get_kv_cache_config_from_groups(cfg, groups, kv_bytes)
+        kv_config = v.utils.get_kv_cache_config_from_groups(cfg, groups, max(0, kv_bytes - reserved))
         tokens, concurrency = v.utils.get_kv_cache_capacity(cfg, kv_config)
         match_unit = v.utils.resolve_kv_cache_block_sizes(kv_config, cfg)[1] if prefix_cache else 0
     finally:
@@ -211,4 +242,5 @@ def pool(s: Shape, kv_dtype: str, ssm_dtype: str, kv_bytes: int, max_len: int, r
     return Pool(block_size=bs, page_bytes=page, mamba_page_bytes=mamba_page, attn_token_bytes=attn_token,
                 groups=len(groups), layers_per_group=max(len(g.layer_names) for g in groups),
                 blocks=kv_config.num_blocks, reported_tokens=tokens, max_concurrency=concurrency,
-                state_groups=state_groups, align=prefix_cache, num_spec=num_spec, match_unit=match_unit)
+                state_groups=state_groups, align=prefix_cache, num_spec=num_spec, tail_layer_bytes=tail_layer,
+                tail_seat_bytes=tail_seat, tail_reserved_bytes=reserved, match_unit=match_unit)
