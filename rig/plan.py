@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rig import profiles
-from rig.knobs import INT8_LAYER_ALIASES, KVARN_BLOCK_SIZES, KnobError, Knobs, coerce, validate
+from rig.knobs import INT8_LAYER_ALIASES, KVARN_GROUP_TOKENS, KnobError, Knobs, coerce, validate
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 KEEP_MAX_ENV = "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX"
@@ -66,10 +66,13 @@ def kv_allowed(platform: str, arch: str) -> list[str]:
 
 
 def kv_rules(k: Knobs, platform: str) -> list[str]:
-    """KV against the platform and GPU_ARCH: the errors, each with what is allowed."""
+    """KV against the platform and GPU_ARCH, and kvarn's block size: the errors, each with what is allowed."""
     errors = []
-    if k.KV == "kvarn" and k.BLOCK_SIZE not in KVARN_BLOCK_SIZES:
-        errors.append(f"BLOCK_SIZE={k.BLOCK_SIZE}: KV='kvarn' needs its block size; allowed: {KVARN_BLOCK_SIZES}")
+    if k.KV == "kvarn" and (k.BLOCK_SIZE == 0 or k.BLOCK_SIZE % KVARN_GROUP_TOKENS):
+        errors.append(f"BLOCK_SIZE={k.BLOCK_SIZE}: KV='kvarn' stores whole {KVARN_GROUP_TOKENS}-token groups, and "
+                      f"vLLM aligns a hybrid model's attention block to BLOCK_SIZE, so only a multiple of "
+                      f"{KVARN_GROUP_TOKENS} keeps every group inside one block (docs/kvarn.md); allowed: "
+                      f"{KVARN_GROUP_TOKENS}, {2 * KVARN_GROUP_TOKENS}, ...; set BLOCK_SIZE={KVARN_GROUP_TOKENS}")
     if platform == "cpu":
         allowed_here = ", ".join(repr(v) for v in kv_allowed("cpu", "cpu"))
         if k.KV == "kvarn":

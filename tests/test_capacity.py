@@ -125,6 +125,59 @@ def test_hybrid_block_and_page_are_vllms_own_rule(vllm_configs, model, kv, ssm):
     assert (p.block_size, p.page_bytes) == (block, page or p.mamba_page_bytes)
 
 
+def _kvarn_backend(s, kernel_blocks):
+    """What a kvarn backend would tell vLLM (none exists): its packed spec (rig/capacity/kvarn.py's bytes, as
+    TurboQuant publishes its slots) and its kernel block, one 128-token group."""
+    from dataclasses import replace
+
+    from vllm.v1.attention.backend import AttentionBackend
+
+    packed = pages.attention_spec(s, "kvarn")
+
+    class KvarnStandIn(AttentionBackend):
+        @staticmethod
+        def get_supported_kernel_block_sizes():
+            return kernel_blocks
+
+        @classmethod
+        def customize_spec(cls, spec):
+            return replace(spec, dtype=packed.dtype, state_content_bytes=packed.state_content_bytes)
+
+    return KvarnStandIn
+
+
+@pytest.mark.parametrize("ssm", ["float16", "float32"])
+def test_kvarn_block_of_128_holds_whole_groups_by_vllms_rule_and_64_cannot(vllm_configs, ssm):
+    """docs/kvarn.md's block-size finding, asked of vLLM 0.28's code on the real shape: with BLOCK_SIZE=128 the
+    hybrid block is 2048 (fp16 state) / 3968 (fp32) tokens, whole groups, as the planner has it; BLOCK_SIZE=64 is
+    refused by a backend whose kernel block is the group, and a 64-token kernel block would give 1984 / 3904-token
+    blocks that split a group, which vLLM then cannot cut into 128-token kernel blocks."""
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.worker.utils import select_common_block_size
+
+    vc, s = vllm_configs["real"]
+    group = _kvarn_backend(s, [128])
+    block, page = _vllm_hybrid_block(vc, group, "auto", 128, ssm)
+    p = pages.pool(s, "kvarn", ssm, 8 * 2**30, 4096, requested_block=128)
+    assert (p.block_size, p.page_bytes) == (block, page) == {"float16": (2048, 2048 * 832),
+                                                              "float32": (3968, 3968 * 832)}[ssm]
+    assert block % 128 == 0 and select_common_block_size(block, [group]) == 128  # 128-token kernel pages
+    assert not group.supports_block_size(64)  # --block-size 64: the backend is refused at selection
+    half, _ = _vllm_hybrid_block(vc, _kvarn_backend(s, [MultipleOf(64)]), "auto", 64, ssm)
+    assert half == {"float16": 1984, "float32": 3904}[ssm] and half % 128 == 64
+    with pytest.raises(ValueError, match="No common block size"):
+        select_common_block_size(half, [group])
+
+
+def test_kvarn_prefix_match_unit_is_the_block():
+    """With PREFIX_CACHE=1 vLLM hashes the prompt in blocks of the hybrid block (resolve_kv_cache_block_sizes:
+    the gcd of the groups' block sizes, all 2048 here), so a cache hit is a multiple of 2048 tokens."""
+    s = shape.real_shape()
+    assert pages.pool(s, "kvarn", "float16", 8 * 2**30, 4096, 128, prefix_cache=True).match_unit == 2048
+    assert pages.pool(s, "fp8", "float16", 8 * 2**30, 4096, 0, prefix_cache=True).match_unit == 800
+    assert pages.pool(s, "fp8", "float16", 8 * 2**30, 4096).match_unit == 0
+
+
 def _kvarn_kernels():
     """kernels/kvarn/kvarn_triton.py (imports triton), under the name its tests use."""
     import importlib.util

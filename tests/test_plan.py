@@ -233,13 +233,24 @@ def test_multinode_overlay_uses_ray_and_pipeline_parallel():
 @pytest.mark.parametrize("sets, needle", [
     ({"TP": "3"}, "TP=3: must divide the 24 query and 4 KV heads"),
     ({"INT8_ACT": "fp8"}, "INT8_ACT='fp8': fp8 activations need SM89 or SM12x, the target is sm86"),
-    ({"BLOCK_SIZE": "16"}, "BLOCK_SIZE=16: KV='kvarn' needs its block size"),
+    ({"BLOCK_SIZE": "64"}, "BLOCK_SIZE=64: KV='kvarn' stores whole 128-token groups"),
+    ({"BLOCK_SIZE": "0"}, "BLOCK_SIZE=0: KV='kvarn' stores whole 128-token groups"),
     ({"GPU_ARCH": "cpu"}, "GPU_ARCH='cpu' on the gpu platform"),
 ])
 def test_cross_knob_rules(sets, needle):
     with pytest.raises(PlanError) as e:
         resolve("kvarn" if "BLOCK_SIZE" in sets else "batch", (), "gpu", environ={}, sets=sets)
     assert any(needle in m for m in e.value.messages), e.value.messages
+
+
+def test_kvarn_block_size_is_a_multiple_of_the_kvarn_group():
+    """The profile's BLOCK_SIZE holds whole groups; the knob's group is the format's (kernels/kvarn/reference.py)."""
+    from rig.capacity import kvarn
+    from rig.knobs import KVARN_GROUP_TOKENS
+
+    assert KVARN_GROUP_TOKENS == kvarn.group_tokens() == 128
+    assert resolve("kvarn", (), "gpu", environ={}).knobs["BLOCK_SIZE"] == 128
+    assert resolve("kvarn", (), "gpu", environ={}, sets={"BLOCK_SIZE": "256"}).knobs["BLOCK_SIZE"] == 256
 
 
 SM86_KV = [d for d in KV_CUDA_ONLY if KV_CUDA_ONLY[d][1] <= 86]
@@ -404,7 +415,7 @@ def test_fp8_activations_allowed_on_sm89():
 
 def test_cpu_platform_refuses_cuda_only_knobs():
     with pytest.raises(PlanError) as e:
-        resolve("batch", (), "cpu", environ={}, sets={"INT8_ACT": "int8", "KV": "kvarn", "BLOCK_SIZE": "64",
+        resolve("batch", (), "cpu", environ={}, sets={"INT8_ACT": "int8", "KV": "kvarn", "BLOCK_SIZE": "128",
                                                          "PREFILL_ATTN": "int8"})
     text = str(e.value)
     assert "Marlin int8 activations are CUDA-only" in text and "KVarN cache is a CUDA kernel" in text
