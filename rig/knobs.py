@@ -16,7 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 INT8_LAYER_ALIASES = {"mlp": r"\.mlp\.", "gate_up": r"\.mlp\.gate_up_proj", ".": "."}
 # The real model: 24 query heads, 4 KV heads. Tensor parallel must divide both.
 QUERY_HEADS, KV_HEADS = 24, 4
-KVARN_BLOCK_SIZES = (64,)
+# KV=kvarn keeps whole 128-token groups in a vLLM block: BLOCK_SIZE must be a multiple of the group
+# (GROUP_TOKENS of kernels/kvarn/reference.py, which imports torch: resolving a plan does not, so the number
+# is written here too and tests/test_plan.py holds the two equal; docs/kvarn.md "vLLM integration" says why).
+KVARN_GROUP_TOKENS = 128
 
 
 class Knobs(BaseModel):
@@ -30,9 +33,13 @@ class Knobs(BaseModel):
             "0 = explicitly off (--no-enable-prefix-caching: 0.28 turns it on by default for these models)"
         )
     )
-    KV: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "kvarn"] = Field(
+    KV: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "int8_per_token_head",
+                "int4_per_token_head", "fp8_per_token_head", "turboquant_k8v4", "turboquant_4bit_nc",
+                "turboquant_k3v4_nc", "turboquant_3bit_nc", "kvarn"] = Field(
         description=(
-            "KV cache dtype; `kvarn` = the KVarN 4/2-bit cache (262k context, needs kernels/kvarn and BLOCK_SIZE)"
+            "KV cache dtype (--kv-cache-dtype); `*_per_token_head` (Triton backend) and `turboquant_*` (TurboQuant "
+            "backend) are vLLM's own, CUDA only, `fp8_per_token_head` from sm89; `kvarn` = the KVarN 4/2-bit cache "
+            "(262k context, needs kernels/kvarn and BLOCK_SIZE a multiple of 128)"
         )
     )
     INT8_ACT: Literal["", "int8", "fp8"] = Field(

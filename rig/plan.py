@@ -18,11 +18,86 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rig import profiles
-from rig.knobs import INT8_LAYER_ALIASES, KVARN_BLOCK_SIZES, KnobError, Knobs, coerce, validate
+from rig.knobs import INT8_LAYER_ALIASES, KVARN_GROUP_TOKENS, KnobError, Knobs, coerce, validate
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 KEEP_MAX_ENV = "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX"
 FP8_ACT_ARCHS = ("sm89", "sm120")
+
+# vLLM 0.28's quantized KV caches that only one CUDA attention backend runs: dtype -> (that backend, the oldest
+# compute capability it runs the dtype on, 0 = every card). Read from vLLM's code, and asked of vLLM's own classes
+# on every GPU_ARCH by tests/test_plan.py::test_kv_dtype_rules_are_what_vllms_backends_say:
+# - the CUDA selector keeps the first of FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION, TURBOQUANT whose
+#   validate_configuration passes (vllm/platforms/cuda.py _get_backend_priorities and get_valid_backends;
+#   vllm/v1/attention/backend.py: supports_kv_cache_dtype, supports_compute_capability);
+# - *_per_token_head: only TritonAttentionBackend lists them (supported_kv_cache_dtypes,
+#   vllm/v1/attention/backends/triton_attn.py) and it takes every card (supports_compute_capability), but
+#   TritonAttentionImpl.__init__ refuses any fp8* cache below SM89 ("native FP8 (fp8e4nv) requires SM89+");
+# - turboquant_*: only TurboQuantAttentionBackend takes them (supports_kv_cache_dtype,
+#   vllm/v1/attention/backends/turboquant_attn.py), on every card: below SM89 its fp8 keys (k8v4) are Triton's
+#   fp8e4b15 (_use_fp8_e4b15, vllm/v1/attention/ops/triton_turboquant_decode.py);
+# - vLLM's CPU backend runs none of them (CPUAttentionBackend.supported_kv_cache_dtypes is auto, fp8, fp8_e4m3,
+#   fp8_e5m2: vllm/v1/attention/backends/cpu_attn.py), and vLLM does not refuse them there itself
+#   (CpuPlatform.get_attn_backend_cls, vllm/platforms/cpu.py, never asks): rig refuses them.
+_TRITON_FP8 = ("TritonAttentionImpl refuses an fp8 cache below SM89: native fp8e4nv "
+               "(vllm/v1/attention/backends/triton_attn.py)")
+KV_CUDA_ONLY: dict[str, tuple[str, int, str]] = {
+    "int8_per_token_head": ("TRITON_ATTN", 0, ""),
+    "int4_per_token_head": ("TRITON_ATTN", 0, ""),
+    "fp8_per_token_head": ("TRITON_ATTN", 89, _TRITON_FP8),
+    "turboquant_k8v4": ("TURBOQUANT", 0, ""),
+    "turboquant_4bit_nc": ("TURBOQUANT", 0, ""),
+    "turboquant_k3v4_nc": ("TURBOQUANT", 0, ""),
+    "turboquant_3bit_nc": ("TURBOQUANT", 0, ""),
+}
+
+
+def _capability(arch: str) -> int:
+    """GPU_ARCH as vLLM's DeviceCapability.to_int(): sm86 -> 86, sm120 -> 120."""
+    return int(arch.removeprefix("sm"))
+
+
+def kv_allowed(platform: str, arch: str) -> list[str]:
+    """The KV values a plan may use on this platform and GPU_ARCH (every knob value the rules below do not refuse)."""
+    values = Knobs.model_fields["KV"].annotation.__args__
+    if platform == "cpu":
+        return [v for v in values if v not in KV_CUDA_ONLY and v != "kvarn"]
+    return [v for v in values if KV_CUDA_ONLY.get(v, ("", 0, ""))[1] <= _capability(arch)]
+
+
+def kv_rules(k: Knobs, platform: str) -> list[str]:
+    """KV against the platform and GPU_ARCH, and kvarn's block size: the errors, each with what is allowed."""
+    errors = []
+    if k.KV == "kvarn" and (k.BLOCK_SIZE == 0 or k.BLOCK_SIZE % KVARN_GROUP_TOKENS):
+        errors.append(f"BLOCK_SIZE={k.BLOCK_SIZE}: KV='kvarn' stores whole {KVARN_GROUP_TOKENS}-token groups, and "
+                      f"vLLM aligns a hybrid model's attention block to BLOCK_SIZE, so only a multiple of "
+                      f"{KVARN_GROUP_TOKENS} keeps every group inside one block (docs/kvarn.md); allowed: "
+                      f"{KVARN_GROUP_TOKENS}, {2 * KVARN_GROUP_TOKENS}, ...; set BLOCK_SIZE={KVARN_GROUP_TOKENS}")
+    if platform == "cpu":
+        allowed_here = ", ".join(repr(v) for v in kv_allowed("cpu", "cpu"))
+        if k.KV == "kvarn":
+            errors.append(f"KV='kvarn': the KVarN cache is a CUDA kernel; allowed on cpu: {allowed_here}")
+        elif k.KV in KV_CUDA_ONLY:
+            errors.append(f"KV={k.KV!r}: vLLM 0.28 runs it only on CUDA ({KV_CUDA_ONLY[k.KV][0]}); its CPU attention "
+                          "backend takes auto, fp8, fp8_e4m3, fp8_e5m2 (vllm/v1/attention/backends/cpu_attn.py) and "
+                          "vLLM would not refuse it there: the CPU kernels would read it as "
+                          + ("fp8" if k.KV.endswith("_per_token_head") else "a plain byte cache")
+                          + f"; allowed on cpu: {allowed_here}")
+        return errors
+    backend, need, why = KV_CUDA_ONLY.get(k.KV, ("", 0, ""))
+    if backend and k.PREFILL_ATTN == "int8":
+        errors.append(f"PREFILL_ATTN='int8' with KV={k.KV!r}: rig's int8 prefill hooks FLASH_ATTN and FLASHINFER "
+                      f"(patches/prefill-attn-int8.patch), and vLLM runs this cache on {backend}, so the kernel "
+                      "would never run; allowed with it: 'auto'; or a KV that runs on FlashAttention/FlashInfer "
+                      "('auto', 'fp8', 'bfloat16', ...)")
+    if k.GPU_ARCH != "cpu" and need > _capability(k.GPU_ARCH):
+        allowed_here = ", ".join(repr(v) for v in kv_allowed(platform, k.GPU_ARCH))
+        newer = ", ".join(a for a in Knobs.model_fields["GPU_ARCH"].annotation.__args__
+                          if a != "cpu" and _capability(a) >= need)
+        errors.append(f"KV={k.KV!r}: vLLM 0.28 runs it on {backend} from SM{need} on ({why}); the target is "
+                      f"GPU_ARCH={k.GPU_ARCH!r} (the RTX 3090 is sm86); allowed there: {allowed_here}; or a "
+                      f"GPU_ARCH of {newer}")
+    return errors
 
 
 class PlanError(ValueError):
@@ -117,8 +192,7 @@ def rules(k: Knobs, pf: profiles.ProfileFile, platform: str) -> tuple[list[str],
     if k.SPEC != "off" and not pf.speculative:
         warnings.append(f"SPEC={k.SPEC!r} is ignored on this profile (speculative decoding costs batch throughput)")
         fix["SPEC"] = "off"
-    if k.KV == "kvarn" and k.BLOCK_SIZE not in KVARN_BLOCK_SIZES:
-        errors.append(f"BLOCK_SIZE={k.BLOCK_SIZE}: KV='kvarn' needs its block size; allowed: {KVARN_BLOCK_SIZES}")
+    errors += kv_rules(k, platform)
     if k.INT8_ACT == "fp8" and k.GPU_ARCH not in FP8_ACT_ARCHS:
         errors.append(f"INT8_ACT='fp8': fp8 activations need SM89 or SM12x, the target is {k.GPU_ARCH} "
                       f"(the RTX 3090 is sm86); allowed there: '', 'int8'")
@@ -127,8 +201,6 @@ def rules(k: Knobs, pf: profiles.ProfileFile, platform: str) -> tuple[list[str],
             errors.append(f"GPU_ARCH={k.GPU_ARCH!r}: the cpu platform needs GPU_ARCH='cpu'")
         if k.INT8_ACT:
             errors.append(f"INT8_ACT={k.INT8_ACT!r}: Marlin int8 activations are CUDA-only; allowed on cpu: ''")
-        if k.KV == "kvarn":
-            errors.append("KV='kvarn': the KVarN cache is a CUDA kernel; allowed on cpu: auto, fp8, bfloat16")
         if k.PREFILL_ATTN != "auto":
             errors.append(f"PREFILL_ATTN={k.PREFILL_ATTN!r}: a CUDA kernel; allowed on cpu: 'auto'")
         if k.SPEC != "off" and fix.get("SPEC") != "off":

@@ -441,7 +441,7 @@ def compare_pool(plan: Plan, logged, block_size: int | None, predicted) -> str:
     """The engine's logged pool, concurrency, block size and backend against the planner's prediction; raises on a
     mismatch."""
     if predicted is None:
-        raise Skip("the planner does not predict this plan's pool (KV_MEM unset on CPU, or KV=kvarn)")
+        raise Skip("the planner does not predict this plan's pool (KV_MEM unset on CPU, TurboQuant on a dense model)")
     if logged.pool_tokens is None:
         raise RuntimeError("the engine log has no 'KV cache size: N tokens' line: the server logs below INFO "
                            "(VLLM_LOGGING_LEVEL) or is not vLLM 0.28; start it through `inv serve`")

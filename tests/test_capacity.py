@@ -44,12 +44,182 @@ def test_state_kv_and_page_sizes_are_vllms_and_agree_with_first_principles():
     assert pages.mamba_page_bytes(s, "float16") == sum(st.values())
     table = report.kv_table(s, 1)
     assert table["fp8"] == 2 * 4 * 256 and table["bfloat16"] == 2 * 4 * 256 * 2
-    assert table["int8_per_token_head"] == 2 * 4 * (256 + 4)  # an fp32 scale per token and head, K and V
-    assert table["int4_per_token_head"] == 2 * 4 * (128 + 4)
-    assert table["turboquant_4bit_nc"] < table["turboquant_k8v4"] < table["fp8"]
+    assert table["int8_per_token_head"] == table["fp8_per_token_head"] == 2 * 4 * (256 + 4)  # + an fp32 scale
+    assert table["int4_per_token_head"] == 2 * 4 * (128 + 4)  # per token and head, K and V
+    # TurboQuant slots per head: key (fp8, or 3/4-bit codes + an fp16 norm) + value (codes + fp16 scale and zero)
+    assert table["turboquant_k8v4"] == 4 * (256 + 128 + 4)
+    assert table["turboquant_4bit_nc"] == 4 * (128 + 2 + 128 + 4)
+    assert table["turboquant_k3v4_nc"] == 4 * (96 + 2 + 128 + 4)
+    assert table["turboquant_3bit_nc"] == 4 * (96 + 2 + 96 + 4)
+    assert table["kvarn (planned)"] == 832
     p = pages.pool(s, "fp8", "float16", 8 * 2**30, 150000)
     assert p.block_size == 800 and p.page_bytes == 800 * 2048 >= p.mamba_page_bytes  # raised to the mamba page
     assert (p.groups, p.layers_per_group) == (4, 16)  # 3 GDN groups + 1 attention group of 16 layers
+
+
+def _vllm_allocates(kv: str, heads: int, head_dim: int) -> int:
+    """Bytes per token per attention layer of the KV tensor vLLM 0.28 allocates: the backend's
+    get_kv_cache_shape (what the model runner reshapes the raw cache into) x the cache dtype's size."""
+    import math
+
+    pages._vllm()
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, get_dtype_size
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
+
+    # bfloat16/fp8 run on FlashAttention or FlashInfer (not importable on CPU; same (blocks, heads, block, 2 x head)
+    # layout for these dtypes), the per-token-head caches on Triton, TurboQuant's on its own backend
+    backend = (TurboQuantAttentionBackend if kv.startswith("turboquant_") else
+               TritonAttentionBackend if kv.endswith("_per_token_head") else FlashAttentionBackend)
+    blocks, block = 3, 16
+    shape_ = backend.get_kv_cache_shape(blocks, block, heads, head_dim, kv)
+    return math.prod(shape_) * get_dtype_size(STR_DTYPE_TO_TORCH_DTYPE[kv]) // (blocks * block)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kv", pages.KV_DTYPES)
+def test_kv_bytes_per_token_are_what_vllm_allocates(kv, tp):
+    s = shape.real_shape()
+    assert pages.attention_token_bytes(s, kv, tp) == _vllm_allocates(kv, s.num_key_value_heads // tp, s.head_dim)
+
+
+@pytest.fixture(scope="module")
+def vllm_configs(tmp_path_factory):
+    """vLLM 0.28's own VllmConfig of the tiny hybrid (its folder) and of the real shape (a config.json of
+    models/qwen3.5-27b-class.toml, no weights; the tiny model's tokenizer): what _align_hybrid_block_size reads."""
+    pages._vllm()
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    real = shape.real_shape()
+    folder = tmp_path_factory.mktemp("real-shape")
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in real.config.items()
+                                                    if k != "quantization_config"}))
+    tiny = paths.ROOT / "models" / "trained" / "tiny-hybrid"
+    out = {}
+    for name, model, s in (("tiny", tiny, shape.for_model(str(tiny), tiny)), ("real", folder, real)):
+        mc = ModelConfig(model=str(model), tokenizer=str(tiny), dtype="bfloat16", max_model_len=4096)
+        out[name] = (VllmConfig(model_config=mc, cache_config=CacheConfig()), s)
+    return out
+
+
+def _vllm_hybrid_block(vc, backend, cache_dtype: str, block: int, ssm: str) -> tuple[int, int]:
+    """(block size, attention page) vLLM's Platform._align_hybrid_block_size sets for this cache, starting from
+    ``block`` (16 = the CUDA default with BLOCK_SIZE=0, or --block-size)."""
+    from vllm.platforms.interface import Platform
+
+    cc = vc.cache_config
+    cc.cache_dtype, cc.block_size, cc.mamba_page_size_padded, cc.mamba_ssm_cache_dtype = cache_dtype, block, None, ssm
+    Platform._align_hybrid_block_size(vc, backend)
+    return cc.block_size, cc.mamba_page_size_padded
+
+
+@pytest.mark.parametrize("ssm", ["float16", "float32"])
+@pytest.mark.parametrize("kv", pages.KV_DTYPES)
+@pytest.mark.parametrize("model", ["tiny", "real"])
+def test_hybrid_block_and_page_are_vllms_own_rule(vllm_configs, model, kv, ssm):
+    """The planner's restated hybrid block rule against vLLM's own, run on the model's config, for every dtype."""
+    vc, s = vllm_configs[model]
+    block, page = _vllm_hybrid_block(vc, pages._backend(kv), kv, 16, ssm)
+    p = pages.pool(s, kv, ssm, 2**30, 4096)
+    assert (p.block_size, p.page_bytes) == (block, page or p.mamba_page_bytes)
+
+
+def _kvarn_backend(s, kernel_blocks):
+    """What a kvarn backend would tell vLLM (none exists): its packed spec (rig/capacity/kvarn.py's bytes, as
+    TurboQuant publishes its slots) and its kernel block, one 128-token group."""
+    from dataclasses import replace
+
+    from vllm.v1.attention.backend import AttentionBackend
+
+    packed = pages.attention_spec(s, "kvarn")
+
+    class KvarnStandIn(AttentionBackend):
+        @staticmethod
+        def get_supported_kernel_block_sizes():
+            return kernel_blocks
+
+        @classmethod
+        def customize_spec(cls, spec):
+            return replace(spec, dtype=packed.dtype, state_content_bytes=packed.state_content_bytes)
+
+    return KvarnStandIn
+
+
+@pytest.mark.parametrize("ssm", ["float16", "float32"])
+def test_kvarn_block_of_128_holds_whole_groups_by_vllms_rule_and_64_cannot(vllm_configs, ssm):
+    """docs/kvarn.md's block-size finding, asked of vLLM 0.28's code on the real shape: with BLOCK_SIZE=128 the
+    hybrid block is 2048 (fp16 state) / 3968 (fp32) tokens, whole groups, as the planner has it; BLOCK_SIZE=64 is
+    refused by a backend whose kernel block is the group, and a 64-token kernel block would give 1984 / 3904-token
+    blocks that split a group, which vLLM then cannot cut into 128-token kernel blocks."""
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.worker.utils import select_common_block_size
+
+    vc, s = vllm_configs["real"]
+    group = _kvarn_backend(s, [128])
+    block, page = _vllm_hybrid_block(vc, group, "auto", 128, ssm)
+    p = pages.pool(s, "kvarn", ssm, 8 * 2**30, 4096, requested_block=128)
+    assert (p.block_size, p.page_bytes) == (block, page) == {"float16": (2048, 2048 * 832),
+                                                              "float32": (3968, 3968 * 832)}[ssm]
+    assert block % 128 == 0 and select_common_block_size(block, [group]) == 128  # 128-token kernel pages
+    assert not group.supports_block_size(64)  # --block-size 64: the backend is refused at selection
+    half, _ = _vllm_hybrid_block(vc, _kvarn_backend(s, [MultipleOf(64)]), "auto", 64, ssm)
+    assert half == {"float16": 1984, "float32": 3904}[ssm] and half % 128 == 64
+    with pytest.raises(ValueError, match="No common block size"):
+        select_common_block_size(half, [group])
+
+
+def test_kvarn_prefix_match_unit_is_the_block():
+    """With PREFIX_CACHE=1 vLLM hashes the prompt in blocks of the hybrid block (resolve_kv_cache_block_sizes:
+    the gcd of the groups' block sizes, all 2048 here), so a cache hit is a multiple of 2048 tokens."""
+    s = shape.real_shape()
+    assert pages.pool(s, "kvarn", "float16", 8 * 2**30, 4096, 128, prefix_cache=True).match_unit == 2048
+    assert pages.pool(s, "fp8", "float16", 8 * 2**30, 4096, 0, prefix_cache=True).match_unit == 800
+    assert pages.pool(s, "fp8", "float16", 8 * 2**30, 4096).match_unit == 0
+
+
+def _kvarn_kernels():
+    """kernels/kvarn/kvarn_triton.py (imports triton), under the name its tests use."""
+    import importlib.util
+    import sys
+
+    pytest.importorskip("triton", reason="the KVarN kernels are Triton")
+    name = "rig_kernel_kvarn_triton"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, paths.ROOT / "kernels" / "kvarn" / "kvarn_triton.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def test_kvarn_pool_takes_each_seats_tail_from_the_kv_cache():
+    """KV=kvarn: every running sequence keeps its newest < 128 tokens unpacked in each attention layer. The planner
+    reserves MAX_SEQS such tails out of the KV cache before vLLM's blocks, with the bytes of the kernels' own
+    tail buffers, and says so in the plan output."""
+    import torch
+
+    kt = _kvarn_kernels()
+    kv_mem = 8 * 2**30
+    plan = resolve("kvarn", platform="gpu", environ={}, sets={"KV_MEM": str(kv_mem)})
+    r = report.for_plan(plan, RTX3090)
+    p, b = r.budget.pool, r.budget
+    s = shape.real_shape()
+    per_layer = kt.tail_bytes_per_seq(kt.MODEL_LAYOUT, torch.bfloat16)
+    cache = kt.PagedKvarnCache(1, plan.knobs["MAX_SEQS"], 1, tail_dtype=torch.bfloat16)
+    assert p.tail_layer_bytes == per_layer == 524_288
+    assert p.tail_seat_bytes * plan.knobs["MAX_SEQS"] == p.tail_reserved_bytes
+    assert p.tail_reserved_bytes == s.attention_layers * (cache.tail_k.nbytes + cache.tail_v.nbytes)
+    untailed = pages.pool(s, "kvarn", "float16", kv_mem - p.tail_reserved_bytes, plan.knobs["MAX_LEN"], 128)
+    assert (p.blocks, p.block_size) == (untailed.blocks, 2048) and untailed.tail_reserved_bytes == 0
+    assert pages.pool(s, "kvarn", "float16", kv_mem, plan.knobs["MAX_LEN"], 128).blocks > p.blocks
+    assert b.kv_mem_exact == p.blocks * p.block_bytes + p.tail_reserved_bytes
+    again = report.for_plan(resolve("kvarn", platform="gpu", environ={}, sets={"KV_MEM": str(b.kv_mem_exact)}),
+                            RTX3090).budget.pool
+    assert again.blocks == p.blocks
+    text = report.render(r)
+    assert "kvarn tail" in text and "8,388,608 B / seat" in text and "524,288 B a layer" in text
+    assert [w for w in b.warnings if w.startswith("KV='kvarn' is a planned format") and "0.50 GiB for MAX_SEQS=64" in w]
 
 
 def test_tiny_pool_is_what_a_live_cpu_server_reported():
@@ -161,6 +331,21 @@ def test_a_dense_model_plans_with_no_gdn_state(tmp_path):
     assert s.gdn_layers == 0 and s.attention_layers == s.num_hidden_layers
     assert r.state_per_seat == 0 and r.budget.pool.state_groups == 0 and r.budget.pool.padding == 0.0
     assert not r.budget.errors and r.budget.pool.reported_tokens > plan.knobs["MAX_LEN"]
+    # TurboQuant keeps a dense model's first and last 2 layers unquantized (vLLM's boundary skip): not predicted
+    tq = report.for_plan(resolve("batch", platform="gpu", environ={}, sets={"MODEL": str(tmp_path),
+                                                                            "KV": "turboquant_4bit_nc"}), RTX3090)
+    assert tq.budget.pool is None and [w for w in tq.budget.warnings if "the pool is not predicted" in w]
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+
+    n = s.num_hidden_layers
+    dense = SimpleNamespace(is_hybrid=False, hf_text_config=SimpleNamespace(num_hidden_layers=n))
+    assert TurboQuantConfig.get_boundary_skip_layers(dense) == ["0", "1", str(n - 2), str(n - 1)]
+    real = shape.real_shape()
+    hybrid = SimpleNamespace(is_hybrid=True, hf_text_config=SimpleNamespace(layer_types=list(real.layer_types)),
+                             hf_config=None)
+    assert TurboQuantConfig.get_boundary_skip_layers(hybrid) == []  # all 16 attention layers quantized
 
 
 def test_gpu_mem_plans_for_that_many_bytes_of_the_card():

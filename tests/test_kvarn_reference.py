@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rig.capacity import cards, shape
+from rig.capacity import kvarn, shape
 from rig.kernels import load_file, module_name
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels" / "kvarn"
@@ -34,12 +34,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def test_bytes_per_token_from_the_layout_fit_the_budget_and_equal_the_planner():
     per_token = r.token_bytes()
     assert per_token == 832 <= r.FORMAT_BUDGET
-    # the planner's one figure (hardware/gpus.toml, used by rig/capacity/report.py's kv_table as
-    # 2 x kv_heads x head_dim x bits_per_value / 8; kv_table itself imports vLLM, 20 s here)
+    # the planner's figure (rig/capacity/kvarn.py, the packed page a kvarn backend would publish to vLLM:
+    # bytes per KV head and token; rig/capacity/pages.py multiplies by the heads) comes from this layout
     s = shape.real_shape()
     assert (s.num_key_value_heads, s.head_dim) == (r.KV_HEADS, r.HEAD_DIM)
-    bits = cards.data()["planned_kv"]["kvarn"]["bits_per_value"]
-    assert 2 * s.num_key_value_heads * s.head_dim * bits / 8 == per_token
+    assert s.num_key_value_heads * kvarn.head_token_bytes(s.head_dim) == per_token
+    assert kvarn.reference() is r  # one module object: the planner reads the same constants
     fields = {f.name: f.group_bytes for f in r.layout(r.K_BITS)}
     assert fields == {"codes": 128 * 4 * 128, "token_scale": 128 * 4 * 2, "token_offset": 128 * 4 * 2,
                       "channel_scale": 4 * 256 * 2}

@@ -15,7 +15,7 @@ from rig import paths, profiles
 from rig.golden import CASES, GOLDEN, case_id
 from rig.golden import path as golden_path
 from rig.knobs import Knobs
-from rig.plan import KEEP_MAX_ENV, PlanError, check_with_vllm, resolve
+from rig.plan import KEEP_MAX_ENV, KV_CUDA_ONLY, PlanError, check_with_vllm, kv_allowed, resolve
 from rig.server import free_port, port_in_use
 
 # The shell's layout, for the tests that run `inv serve` for real: what it builds (the tiny model)
@@ -233,13 +233,179 @@ def test_multinode_overlay_uses_ray_and_pipeline_parallel():
 @pytest.mark.parametrize("sets, needle", [
     ({"TP": "3"}, "TP=3: must divide the 24 query and 4 KV heads"),
     ({"INT8_ACT": "fp8"}, "INT8_ACT='fp8': fp8 activations need SM89 or SM12x, the target is sm86"),
-    ({"BLOCK_SIZE": "16"}, "BLOCK_SIZE=16: KV='kvarn' needs its block size"),
+    ({"BLOCK_SIZE": "64"}, "BLOCK_SIZE=64: KV='kvarn' stores whole 128-token groups"),
+    ({"BLOCK_SIZE": "0"}, "BLOCK_SIZE=0: KV='kvarn' stores whole 128-token groups"),
     ({"GPU_ARCH": "cpu"}, "GPU_ARCH='cpu' on the gpu platform"),
 ])
 def test_cross_knob_rules(sets, needle):
     with pytest.raises(PlanError) as e:
         resolve("kvarn" if "BLOCK_SIZE" in sets else "batch", (), "gpu", environ={}, sets=sets)
     assert any(needle in m for m in e.value.messages), e.value.messages
+
+
+def test_kvarn_block_size_is_a_multiple_of_the_kvarn_group():
+    """The profile's BLOCK_SIZE holds whole groups; the knob's group is the format's (kernels/kvarn/reference.py)."""
+    from rig.capacity import kvarn
+    from rig.knobs import KVARN_GROUP_TOKENS
+
+    assert KVARN_GROUP_TOKENS == kvarn.group_tokens() == 128
+    assert resolve("kvarn", (), "gpu", environ={}).knobs["BLOCK_SIZE"] == 128
+    assert resolve("kvarn", (), "gpu", environ={}, sets={"BLOCK_SIZE": "256"}).knobs["BLOCK_SIZE"] == 256
+
+
+SM86_KV = [d for d in KV_CUDA_ONLY if KV_CUDA_ONLY[d][1] <= 86]
+
+
+@pytest.mark.parametrize("kv", SM86_KV)
+def test_vllm_quantized_kv_caches_plan_on_sm86_and_vllms_parser_takes_them(kv):
+    plan = resolve("batch", (), "gpu", environ={}, sets={"KV": kv})
+    assert plan.knobs["GPU_ARCH"] == "sm86" and plan.argv[plan.argv.index("--kv-cache-dtype") + 1] == kv
+    check_with_vllm(plan.argv)
+
+
+def test_every_quantized_kv_cache_but_fp8_per_token_head_runs_on_sm86():
+    assert set(KV_CUDA_ONLY) - set(SM86_KV) == {"fp8_per_token_head"}
+    assert set(SM86_KV) == {"int8_per_token_head", "int4_per_token_head", "turboquant_k8v4", "turboquant_4bit_nc",
+                            "turboquant_k3v4_nc", "turboquant_3bit_nc"}
+    plan = resolve("batch", (), "gpu", environ={}, sets={"KV": "fp8_per_token_head", "GPU_ARCH": "sm89"})
+    check_with_vllm(plan.argv)
+
+
+def test_fp8_per_token_head_is_refused_below_sm89_naming_why_and_what_runs():
+    with pytest.raises(PlanError) as e:
+        resolve("batch", (), "gpu", environ={}, sets={"KV": "fp8_per_token_head"})
+    (msg,) = e.value.messages
+    assert msg.startswith("KV='fp8_per_token_head': vLLM 0.28 runs it on TRITON_ATTN from SM89 on")
+    assert "vllm/v1/attention/backends/triton_attn.py" in msg and "GPU_ARCH='sm86'" in msg
+    assert "allowed there: 'auto', 'fp8'" in msg and "'int8_per_token_head'" in msg
+    assert "'fp8_per_token_head'" not in msg.split("allowed there:")[1] and msg.endswith("sm89, sm90, sm100, sm120")
+
+
+@pytest.mark.parametrize("kv", sorted(KV_CUDA_ONLY))
+def test_cpu_refuses_vllms_cuda_only_kv_caches(kv):
+    with pytest.raises(PlanError) as e:
+        resolve("batch", (), "cpu", environ={}, sets={"KV": kv})
+    (msg,) = e.value.messages
+    assert msg.startswith(f"KV={kv!r}: vLLM 0.28 runs it only on CUDA ({KV_CUDA_ONLY[kv][0]})")
+    assert "vllm/v1/attention/backends/cpu_attn.py" in msg
+    assert msg.endswith("allowed on cpu: 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'bfloat16', 'float16'")
+
+
+@pytest.mark.parametrize("kv", ["int8_per_token_head", "turboquant_k8v4"])
+def test_int8_prefill_is_refused_with_a_cache_whose_backend_it_does_not_hook(kv):
+    """The prefill-attn-int8 patch hooks FLASH_ATTN and FLASHINFER only: on TRITON_ATTN / TURBOQUANT it would be
+    silently off."""
+    patch = (paths.ROOT / "patches" / "prefill-attn-int8.patch").read_text()
+    prefix = "+++ b/vllm/v1/attention/backends/"
+    hooked = {line.removeprefix(prefix) for line in patch.splitlines() if line.startswith(prefix)}
+    assert hooked == {"flash_attn.py", "flashinfer.py", "utils.py"}
+    with pytest.raises(PlanError) as e:
+        resolve("batch", (), "gpu", environ={}, sets={"KV": kv, "PREFILL_ATTN": "int8"})
+    assert e.value.messages == [m for m in e.value.messages if m.startswith(f"PREFILL_ATTN='int8' with KV={kv!r}")]
+    assert resolve("batch", (), "gpu", environ={}, sets={"PREFILL_ATTN": "int8"}).env["VLLM_RIG_PREFILL_ATTN"]
+
+
+@pytest.mark.parametrize(("platform", "kv", "needle"), [
+    ("gpu", "fp8_per_token_head", "KV='fp8_per_token_head': vLLM 0.28 runs it on TRITON_ATTN from SM89 on"),
+    ("cpu", "turboquant_3bit_nc", "KV='turboquant_3bit_nc': vLLM 0.28 runs it only on CUDA (TURBOQUANT)"),
+])
+def test_inv_plan_exits_2_with_the_refusal(platform, kv, needle):
+    card = ["--gpu", "rtx3090"] if platform == "gpu" else []
+    r = subprocess.run([str(Path(sys.executable).with_name("inv")), "plan", "--platform", platform, *card, "--set",
+                        f"KV={kv}"], cwd=paths.ROOT, capture_output=True, text=True, timeout=300, env=shell_env())
+    assert r.returncode == 2 and needle in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
+def _flashinfer_kv_dtypes() -> list[str]:
+    """FlashInferBackend.supported_kv_cache_dtypes, read from its source: flashinfer does not import on CPU."""
+    import ast
+
+    import vllm
+
+    tree = ast.parse((Path(vllm.__file__).parent / "v1" / "attention" / "backends" / "flashinfer.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "FlashInferBackend":
+            for st in node.body:
+                if isinstance(st, ast.AnnAssign) and getattr(st.target, "id", "") == "supported_kv_cache_dtypes":
+                    return ast.literal_eval(st.value)
+    raise AssertionError("FlashInferBackend.supported_kv_cache_dtypes not found in vLLM's flashinfer.py")
+
+
+class _FakeCuda:
+    """vLLM's current_platform as TritonAttentionImpl asks it, for one compute capability (no GPU here)."""
+
+    def __init__(self, cap):
+        self.cap = cap
+
+    def is_cuda(self):
+        return True
+
+    def is_xpu(self):
+        return False
+
+    def get_device_capability(self, device_id=0):
+        return self.cap
+
+    def get_device_name(self, device_id=0):
+        return f"sm{self.cap.to_int()}"
+
+    def has_device_capability(self, capability, device_id=0):
+        return self.cap.to_int() >= capability
+
+    def fp8_dtype(self):
+        import torch
+
+        return torch.float8_e4m3fn
+
+
+def test_kv_dtype_rules_are_what_vllms_backends_say(monkeypatch):
+    """KV_CUDA_ONLY asked of vLLM 0.28's own classes on every GPU_ARCH: which CUDA backend takes each dtype
+    (validate_configuration, the call the CUDA selector makes), from which compute capability its impl starts
+    (TritonAttentionImpl's fp8 check, on a faked CUDA platform), and that vLLM's CPU backend takes none of them
+    yet would not refuse them (the CPU platform never asks it)."""
+    import torch
+
+    from rig.capacity import pages
+
+    pages._vllm()  # vLLM imported quietly
+    import vllm.v1.attention.backends.triton_attn as triton_attn
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    importable = {b.name: b.get_class() for b in (E.FLASH_ATTN, E.TRITON_ATTN, E.FLEX_ATTENTION, E.TURBOQUANT)}
+    flashinfer = _flashinfer_kv_dtypes()
+    archs = [a for a in Knobs.model_fields["GPU_ARCH"].annotation.__args__ if a != "cpu"]
+    for kv, (backend, need, _why) in KV_CUDA_ONLY.items():
+        assert kv not in flashinfer
+        for arch in archs:
+            cap = DeviceCapability(int(arch[2:-1]), int(arch[-1]))
+            takes = {name for name, cls in importable.items() if not cls.validate_configuration(
+                head_size=256, dtype=torch.bfloat16, kv_cache_dtype=kv, block_size=None, use_mla=False,
+                has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+                device_capability=cap, attn_type="decoder")}
+            assert takes == {backend}, (kv, arch, takes)
+            monkeypatch.setattr(triton_attn, "current_platform", _FakeCuda(cap))
+            try:
+                if backend == "TRITON_ATTN":
+                    triton_attn.TritonAttentionImpl(num_heads=24, head_size=256, scale=1 / 16, num_kv_heads=4,
+                                                    alibi_slopes=None, sliding_window=None, kv_cache_dtype=kv)
+                runs = True
+            except ValueError as e:
+                runs = False
+                assert "requires SM89+" in str(e)
+            assert runs == (cap.to_int() >= need) == (kv in kv_allowed("gpu", arch)), (kv, arch)
+        assert not CPUAttentionBackend.supports_kv_cache_dtype(kv)
+        chosen = CpuPlatform.get_attn_backend_cls(None, AttentionSelectorConfig(
+            head_size=256, dtype=torch.bfloat16, kv_cache_dtype=kv, block_size=None))
+        assert chosen.endswith("CPUAttentionBackend")  # what the refusal's "vLLM would not refuse it" means
+        # ... and how the CPU kernels would read it (CPUAttentionBackendImpl: is_fp8_kv_cache)
+        assert is_quantized_kv_cache(kv) == kv.endswith("_per_token_head")
+    assert set(kv_allowed("cpu", "cpu")) == set(CPUAttentionBackend.supported_kv_cache_dtypes) | {"bfloat16",
+                                                                                                   "float16"}
 
 
 def test_fp8_activations_allowed_on_sm89():
@@ -249,7 +415,7 @@ def test_fp8_activations_allowed_on_sm89():
 
 def test_cpu_platform_refuses_cuda_only_knobs():
     with pytest.raises(PlanError) as e:
-        resolve("batch", (), "cpu", environ={}, sets={"INT8_ACT": "int8", "KV": "kvarn", "BLOCK_SIZE": "64",
+        resolve("batch", (), "cpu", environ={}, sets={"INT8_ACT": "int8", "KV": "kvarn", "BLOCK_SIZE": "128",
                                                          "PREFILL_ATTN": "int8"})
     text = str(e.value)
     assert "Marlin int8 activations are CUDA-only" in text and "KVarN cache is a CUDA kernel" in text

@@ -101,8 +101,8 @@ MODEL_LAYOUT = page_layout()
 
 
 def tail_bytes_per_seq(layout: PageLayout = MODEL_LAYOUT, dtype: torch.dtype = torch.float16) -> int:
-    """Bytes of one sequence's unquantized tail (K and V, one layer): a full group in ``dtype``."""
-    return 2 * layout.group * layout.heads * layout.dim * torch.finfo(dtype).bits // 8
+    """One sequence's unquantized tail (K and V, one layer): a full group in ``dtype`` (reference.tail_bytes)."""
+    return reference.tail_bytes(layout.heads, layout.dim, torch.finfo(dtype).bits // 8, layout.group)
 
 
 _SIGNS: dict[tuple[int, str], torch.Tensor] = {}

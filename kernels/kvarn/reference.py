@@ -78,6 +78,17 @@ def token_bytes(heads: int = KV_HEADS, dim: int = HEAD_DIM, group: int = GROUP_T
     return (group_bytes(K_BITS, heads, dim, group) + group_bytes(V_BITS, heads, dim, group)) / group
 
 
+def tail_bytes(heads: int = KV_HEADS, dim: int = HEAD_DIM, value_bytes: int = 2, group: int = GROUP_TOKENS) -> int:
+    """Bytes of one sequence's unquantized tail in one attention layer, K and V, ``value_bytes`` a value.
+
+    A group's channel scales need all of its tokens, so the newest < ``group`` tokens of a sequence
+    cannot be packed yet: the kernels keep a whole group of them per sequence in the model's dtype
+    (fp16 or bf16: 2 bytes), however long the sequence is. The kernels' buffers and the capacity
+    planner's per-seat figure both come from here.
+    """
+    return 2 * group * heads * dim * value_bytes
+
+
 def _check_bits(bits: int) -> None:
     if bits not in (2, 4):
         raise ValueError(f"bits={bits}: the KVarN format packs 2- or 4-bit codes only")

@@ -100,17 +100,28 @@ def plan_budget(knobs: dict[str, Any], platform: str, s: Shape, card: cards.Card
     if knobs["SPEC"] == "dflash2" and not drafter_bytes(knobs, root):
         b.warnings.append(f"DRAFT_MODEL={knobs['DRAFT_MODEL']!r} is not there: the drafter's weights are not "
                           "counted (the pool is smaller by their size)")
-    if kv_dtype == "kvarn":
-        b.warnings.append(f"KV='kvarn' is a planned format ({cards.data()['planned_kv']['kvarn']['status']}): "
-                          "the pool is not predicted")
-        return b
     if not b.kv_bytes or b.kv_bytes <= 0:
+        return b
+    if kv_dtype.startswith("turboquant_") and not s.gdn_layers:
+        # TurboQuantConfig.get_boundary_skip_layers (vllm/model_executor/layers/quantization/turboquant/config.py)
+        # keeps a dense model's first and last 2 layers in the model's dtype, and
+        # Platform._align_heterogeneous_kv_block_size then sizes one pool for two pages: not restated here.
+        b.warnings.append(f"KV={kv_dtype!r} on a dense model: vLLM keeps its first and last 2 layers unquantized "
+                          "and pads one pool for both pages, which the planner does not restate: the pool is not "
+                          "predicted (a hybrid model has no such layers)")
         return b
     # BLOCK_SIZE=0 is vLLM's choice: 128 on its CPU platform (vllm/platforms/cpu.py), the backend's 16 on CUDA.
     requested_block = knobs["BLOCK_SIZE"] or (128 if platform == "cpu" else 0)
     p = pages.pool(s, kv_dtype, knobs["MAMBA_SSM_DTYPE"], b.kv_bytes, knobs["MAX_LEN"], requested_block,
-                   bool(knobs["PREFIX_CACHE"]), num_spec(knobs), knobs["TP"])
+                   bool(knobs["PREFIX_CACHE"]), num_spec(knobs), knobs["TP"], max_seqs=knobs["MAX_SEQS"])
     b.pool = p
+    if kv_dtype == "kvarn":
+        b.warnings.append(
+            f"KV='kvarn' is a planned format ({cards.data()['planned_kv']['kvarn']['status']}): the pool assumes a "
+            f"backend that packs {p.attn_token_bytes:,} B a token and layer into whole {pages.kernel_block('kvarn')}-"
+            f"token groups and keeps each running sequence's newest < {pages.kernel_block('kvarn')} tokens unpacked: "
+            f"{p.tail_seat_bytes:,} B a seat ({s.attention_layers} attention layers), "
+            f"{_gib(p.tail_reserved_bytes)} for MAX_SEQS={knobs['MAX_SEQS']}, taken from the KV cache (docs/kvarn.md)")
     verdict(b, p, knobs, float(ov["warn_margin"]), float(ov["kv_mem_margin"]))
     return b
 
@@ -118,9 +129,10 @@ def plan_budget(knobs: dict[str, Any], platform: str, s: Shape, card: cards.Card
 def more_kv(b: Budget, p: pages.Pool, knobs: dict[str, Any]) -> str:
     """How to give one MAX_LEN request its room: the KV_MEM that holds it, or what frees memory on a GPU."""
     blocks = 1 + p.state_blocks(knobs["MAX_LEN"]) + -(-knobs["MAX_LEN"] // p.block_size)
+    tails = f" and the kvarn tails of {knobs['MAX_SEQS']} seats" if p.tail_reserved_bytes else ""
     if knobs["KV_MEM"]:
-        return f"KV_MEM={blocks * p.block_bytes} (the {blocks} blocks it needs)"
-    return f"free {_gib(blocks * p.block_bytes - b.kv_bytes)} more for the KV cache (GPU_UTIL, a bigger card)"
+        return f"KV_MEM={p.kv_bytes_for(blocks)} (the {blocks} blocks it needs{tails})"
+    return f"free {_gib(p.kv_bytes_for(blocks) - b.kv_bytes)} more for the KV cache (GPU_UTIL, a bigger card)"
 
 
 def verdict(b: Budget, p: pages.Pool, knobs: dict[str, Any], warn_margin: float, kv_margin: float) -> None:
@@ -129,8 +141,8 @@ def verdict(b: Budget, p: pages.Pool, knobs: dict[str, Any], warn_margin: float,
     b.max_len_fit = p.max_len_fit()
     b.short_seats = p.seats(1)
     b.seats_at_max_len = p.seats(knobs["MAX_LEN"])
-    b.kv_mem_exact = p.blocks * p.block_bytes
-    b.kv_mem_margin = int(b.kv_mem_exact * (1 - kv_margin)) // p.block_bytes * p.block_bytes
+    b.kv_mem_exact = p.kv_bytes_for(p.blocks)
+    b.kv_mem_margin = p.kv_bytes_for((int(b.kv_mem_exact * (1 - kv_margin)) - p.tail_reserved_bytes) // p.block_bytes)
     seats, max_len = knobs["MAX_SEQS"], knobs["MAX_LEN"]
     if b.max_len_fit < max_len:
         b.errors.append(f"MAX_LEN={max_len}: the pool ({p.blocks} blocks of {p.block_size} tokens, "
@@ -143,8 +155,10 @@ def verdict(b: Budget, p: pages.Pool, knobs: dict[str, Any], warn_margin: float,
                         f"a page): only {b.short_seats} requests can run; set MAX_SEQS={b.short_seats}"
                         + (" or MAMBA_SSM_DTYPE=float16" if knobs["MAMBA_SSM_DTYPE"] == "float32" else ""))
     elif b.short_seats < seats:
+        tails = (f"; the kvarn tails of {seats} seats take {_gib(p.tail_reserved_bytes)} beside the blocks"
+                 if p.tail_reserved_bytes else "")
         b.warnings.append(f"MAX_SEQS={seats}: only {b.short_seats} short requests fit the pool at once (each "
-                          f"takes {state + 1} blocks); the rest wait. MAX_SEQS={b.short_seats} fits")
+                          f"takes {state + 1} blocks{tails}); the rest wait. MAX_SEQS={b.short_seats} fits")
     elif b.short_seats < seats * (1 + warn_margin):
         b.warnings.append(f"MAX_SEQS={seats} is within {warn_margin:.0%} of the {b.short_seats} short requests "
                           "the pool holds: a little less memory and requests wait")

@@ -7,8 +7,11 @@ packs per-token-head scales and TurboQuant slots), the grouping of 48 GDN + 16 a
 into one shared pool (``get_kv_cache_groups``), blocks from bytes (``get_kv_cache_config_from_groups``)
 and the "GPU KV cache size: N tokens" figure (``get_kv_cache_capacity``). Only the hybrid block-size
 rule of ``Platform._align_hybrid_block_size`` is restated (it needs a model built in a live
-config); tests/test_server_live.py::test_capacity_plan_matches_what_the_live_cpu_server_built holds it to a
-running server's log.
+config); tests/test_capacity.py holds it to vLLM's own ``_align_hybrid_block_size`` run on a config of the
+model for every dtype the planner sizes, and
+tests/test_server_live.py::test_capacity_plan_matches_what_the_live_cpu_server_built to a running server's log.
+KV=kvarn has no vLLM backend: its page and per-seat tail come from the format's layout
+(rig/capacity/kvarn.py), fed through the same vLLM code.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from functools import cache
 from types import SimpleNamespace
 from typing import Any
 
+from rig.capacity import kvarn
 from rig.capacity.shape import Shape
 
-# --kv-cache-dtype values the planner sizes (vLLM 0.28's CacheDType names); kvarn is rig's own, planned.
-KV_DTYPES = ("bfloat16", "fp8", "int8_per_token_head", "int4_per_token_head", "turboquant_k8v4",
-             "turboquant_4bit_nc")
+# --kv-cache-dtype values the planner sizes (vLLM 0.28's CacheDType names); kvarn is rig's own, planned
+# (rig/capacity/kvarn.py). nvfp4 is not here: only FlashInfer packs it, and FlashInfer does not import on CPU.
+KV_DTYPES = ("bfloat16", "fp8", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head",
+             "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 
 
 @cache
@@ -42,6 +47,7 @@ def _vllm() -> SimpleNamespace:
                 MambaStateShapeCalculator,
             )
             from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+            from vllm.v1.attention.backend import MultipleOf
             from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
             from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
             from vllm.v1.core import kv_cache_utils
@@ -55,7 +61,7 @@ def _vllm() -> SimpleNamespace:
                            dtypes=MambaStateDtypeCalculator, str_dtype=STR_DTYPE_TO_TORCH_DTYPE,
                            triton=TritonAttentionBackend, turboquant=TurboQuantAttentionBackend,
                            utils=kv_cache_utils, FullAttentionSpec=FullAttentionSpec, MambaSpec=MambaSpec,
-                           quant_mode=get_kv_quant_mode)
+                           quant_mode=get_kv_quant_mode, MultipleOf=MultipleOf)
 
 
 def model_dtype(s: Shape) -> Any:
@@ -63,14 +69,40 @@ def model_dtype(s: Shape) -> Any:
     return v.str_dtype[s.config.get("torch_dtype") or s.config.get("dtype") or "bfloat16"]
 
 
+def _backend(kv_dtype: str) -> Any:
+    """The vLLM backend class that owns a dtype's packing: TurboQuant's slots, else Triton's (per-token-head
+    scales; for the other dtypes its spec is vLLM's plain one, as FlashAttention's and FlashInfer's are)."""
+    v = _vllm()
+    return v.turboquant if kv_dtype.startswith("turboquant_") else v.triton
+
+
+def attention_spec(s: Shape, kv_dtype: str, tp: int = 1, block: int = 1) -> Any:
+    """The attention layer's KV spec as the backend publishes it (``customize_spec``); ``auto`` = the model's
+    dtype. kvarn: the packed page a kvarn backend would publish (rig/capacity/kvarn.py), bytes per head and token."""
+    v = _vllm()
+    heads = max(1, s.num_key_value_heads // tp)
+    if kv_dtype == "kvarn":
+        return v.FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=s.head_dim, dtype=v.torch.uint8,
+                                   state_content_bytes=kvarn.head_token_bytes(s.head_dim))
+    dtype = model_dtype(s) if kv_dtype == "auto" else v.str_dtype[kv_dtype]
+    spec = v.FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=s.head_dim, dtype=dtype,
+                               kv_quant_mode=v.quant_mode(kv_dtype))
+    return _backend(kv_dtype).customize_spec(spec)
+
+
 def attention_token_bytes(s: Shape, kv_dtype: str, tp: int = 1) -> int:
     """Bytes one token takes in one attention layer for a --kv-cache-dtype (``auto`` = the model's dtype)."""
+    return attention_spec(s, kv_dtype, tp).page_size_bytes
+
+
+def kernel_block(kv_dtype: str) -> int:
+    """The smallest kernel block the dtype's backend takes (vLLM aligns the hybrid block to it): 16 for Triton
+    and TurboQuant (as for FlashAttention and FlashInfer); kvarn's kernel reads whole 128-token groups."""
+    if kv_dtype == "kvarn":
+        return kvarn.group_tokens()
     v = _vllm()
-    dtype = model_dtype(s) if kv_dtype == "auto" else v.str_dtype[kv_dtype]
-    spec = v.FullAttentionSpec(block_size=1, num_kv_heads=max(1, s.num_key_value_heads // tp), head_size=s.head_dim,
-                               dtype=dtype, kv_quant_mode=v.quant_mode(kv_dtype))
-    backend = v.turboquant if kv_dtype.startswith("turboquant_") else v.triton  # the packing owners
-    return backend.customize_spec(spec).page_size_bytes
+    sizes = _backend(kv_dtype).get_supported_kernel_block_sizes()
+    return min(b.base if isinstance(b, v.MultipleOf) else b for b in sizes)
 
 
 def state_shapes(s: Shape, tp: int = 1, num_spec: int = 0) -> tuple[tuple[int, ...], ...]:
@@ -131,11 +163,20 @@ class Pool:
     state_groups: int
     align: bool = False
     num_spec: int = 0
+    tail_layer_bytes: int = 0
+    tail_seat_bytes: int = 0
+    tail_reserved_bytes: int = 0
+    match_unit: int = 0
+    """Tokens a prefix-cache hit's length is a multiple of (vLLM's hash_block_size); 0 = prefix caching off."""
 
     @property
     def block_bytes(self) -> int:
         """Bytes one block of the shared pool takes (a page in each of the group's layers)."""
         return self.page_bytes * self.layers_per_group
+
+    def kv_bytes_for(self, blocks: int) -> int:
+        """The KV cache bytes that give ``blocks`` blocks: the blocks plus the kvarn tails reserved beside them."""
+        return blocks * self.block_bytes + self.tail_reserved_bytes
 
     @property
     def padding(self) -> float:
@@ -156,35 +197,50 @@ class Pool:
         return max(0, (self.blocks - 1 - self.state_blocks(self.block_size + 1)) * self.block_size)
 
 
+def tail_layer_bytes(s: Shape, kv_dtype: str, tp: int = 1) -> int:
+    """What one running sequence holds outside the blocks in one attention layer: for kvarn its unquantized
+    tail (the newest < 128 tokens, a whole group in the model's dtype); nothing for vLLM's own dtypes."""
+    if kv_dtype != "kvarn":
+        return 0
+    return kvarn.tail_bytes(max(1, s.num_key_value_heads // tp), s.head_dim, s.dtype_bytes)
+
+
 def pool(s: Shape, kv_dtype: str, ssm_dtype: str, kv_bytes: int, max_len: int, requested_block: int = 0,
-         prefix_cache: bool = False, num_spec: int = 0, tp: int = 1) -> Pool:
-    """The KV pool of ``kv_bytes`` bytes: vLLM's grouping, block count and reported token figure."""
+         prefix_cache: bool = False, num_spec: int = 0, tp: int = 1, max_seqs: int = 0) -> Pool:
+    """The KV pool of ``kv_bytes`` bytes: vLLM's grouping, block count and reported token figure.
+
+    KV=kvarn: the tails of ``max_seqs`` seats (one per running sequence and attention layer, fixed
+    buffers like the kernels' PagedKvarnCache) are taken out of ``kv_bytes`` before the blocks.
+    """
     v = _vllm()
     attn_token = attention_token_bytes(s, kv_dtype, tp)
     mamba_page = mamba_page_bytes(s, ssm_dtype, tp, num_spec)
-    bs = block_size(attn_token, mamba_page, requested_block)
+    bs = block_size(attn_token, mamba_page, requested_block, kernel_block(kv_dtype))
     page = bs * attn_token
     mode = "align" if prefix_cache else "none"
-    dtype = model_dtype(s) if kv_dtype == "auto" else v.str_dtype[kv_dtype]
-    attn = v.FullAttentionSpec(block_size=bs, num_kv_heads=max(1, s.num_key_value_heads // tp), head_size=s.head_dim,
-                               dtype=dtype, kv_quant_mode=v.quant_mode(kv_dtype))
-    attn = (v.turboquant if kv_dtype.startswith("turboquant_") else v.triton).customize_spec(attn)
+    attn = attention_spec(s, kv_dtype, tp, bs)
+    tail_layer = tail_layer_bytes(s, kv_dtype, tp)
+    tail_seat = tail_layer * s.attention_layers
+    reserved = tail_seat * max_seqs
     mamba = v.MambaSpec(shapes=state_shapes(s, tp, num_spec), dtypes=state_dtypes(s, ssm_dtype), block_size=bs,
                         page_size_padded=page if page != mamba_page else None, mamba_cache_mode=mode,
                         num_speculative_blocks=num_spec)
     specs = {f"model.layers.{i}": attn if kind == "full_attention" else mamba for i, kind in enumerate(s.layer_types)}
     cfg = v.config
     cfg.cache_config.mamba_cache_mode = mode
+    cfg.cache_config.enable_prefix_caching = prefix_cache
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
     object.__setattr__(cfg, "model_config", SimpleNamespace(max_model_len=max_len))
     try:
         groups = v.utils.get_kv_cache_groups(cfg, specs)
-        kv_config = v.utils.get_kv_cache_config_from_groups(cfg, groups, kv_bytes)
+        kv_config = v.utils.get_kv_cache_config_from_groups(cfg, groups, max(0, kv_bytes - reserved))
         tokens, concurrency = v.utils.get_kv_cache_capacity(cfg, kv_config)
+        match_unit = v.utils.resolve_kv_cache_block_sizes(kv_config, cfg)[1] if prefix_cache else 0
     finally:
         object.__setattr__(cfg, "model_config", None)
     state_groups = sum(1 for g in groups if isinstance(g.kv_cache_spec, v.MambaSpec))
     return Pool(block_size=bs, page_bytes=page, mamba_page_bytes=mamba_page, attn_token_bytes=attn_token,
                 groups=len(groups), layers_per_group=max(len(g.layer_names) for g in groups),
                 blocks=kv_config.num_blocks, reported_tokens=tokens, max_concurrency=concurrency,
-                state_groups=state_groups, align=prefix_cache, num_spec=num_spec)
+                state_groups=state_groups, align=prefix_cache, num_spec=num_spec, tail_layer_bytes=tail_layer,
+                tail_seat_bytes=tail_seat, tail_reserved_bytes=reserved, match_unit=match_unit)

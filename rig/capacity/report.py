@@ -58,10 +58,10 @@ def model_folder(plan: Plan) -> Path:
 
 
 def kv_table(s: shape.Shape, tp: int) -> dict[str, int]:
-    """Bytes per token per attention layer for every cache dtype vLLM 0.28 has and rig plans (kvarn planned)."""
+    """Bytes per token per attention layer for every cache dtype vLLM 0.28 has and rig plans (kvarn planned:
+    its packed pages, from kernels/kvarn's layout; its per-seat tail is the pool's, not a per-token figure)."""
     table = {d: pages.attention_token_bytes(s, d, tp) for d in pages.KV_DTYPES}
-    kvarn = cards.data()["planned_kv"]["kvarn"]
-    table["kvarn (planned)"] = int(2 * max(1, s.num_key_value_heads // tp) * s.head_dim * kvarn["bits_per_value"] / 8)
+    table["kvarn (planned)"] = pages.attention_token_bytes(s, "kvarn", tp)
     return table
 
 
@@ -130,10 +130,15 @@ def render(r: Report, width: int = 110) -> str:
     t.add_row("KV cache", _g(b.kv_bytes), f"from {b.kv_source}")
     p = b.pool
     if p:
+        match = f"; prefix-cache hits in multiples of {p.match_unit} tokens" if p.match_unit else ""
         t.add_row("block / page", f"{p.block_size} tokens", f"page {p.page_bytes:,} B (mamba {p.mamba_page_bytes:,} B, "
-                  f"padded {p.padding:.2%}); {p.groups} groups of {p.layers_per_group} layers")
+                  f"padded {p.padding:.2%}); {p.groups} groups of {p.layers_per_group} layers{match}")
         t.add_row("pool", f"{p.reported_tokens:,} tokens", f"{p.blocks} blocks; max concurrency at MAX_LEN "
                   f"{k['MAX_LEN']:,}: {p.max_concurrency:.2f}x")
+        if p.tail_seat_bytes:
+            t.add_row("kvarn tail", f"{p.tail_seat_bytes:,} B / seat", f"newest < {pages.kernel_block('kvarn')} "
+                      f"tokens unpacked, {p.tail_layer_bytes:,} B a layer; "
+                      f"{k['MAX_SEQS']} seats: {_g(p.tail_reserved_bytes)} of the KV cache")
         t.add_row("seats", f"{b.short_seats} short", f"{b.seats_at_max_len} at MAX_LEN; MAX_SEQS {k['MAX_SEQS']}; "
                   f"longest request {_n(b.max_len_fit)} tokens")
         t.add_row("KV_MEM", _n(b.kv_mem_exact), f"reproduces this pool; {_n(b.kv_mem_margin)} keeps a "

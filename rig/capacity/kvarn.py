@@ -1,0 +1,52 @@
+"""KV=kvarn in the planner: its packed page and its unquantized tail, from kernels/kvarn's layout alone.
+
+vLLM 0.28 has no kvarn backend, so nothing of vLLM can size it; the format's own module
+(``kernels/kvarn/reference.py``: the layout the Triton kernels and their tests are held to) is the
+one place its bytes are written, and this module only reads it. What the planner assumes of the
+backend that does not exist yet (docs/kvarn.md, "vLLM integration"): it publishes its page to vLLM
+as a packed attention spec (``state_content_bytes`` per KV head and token, as TurboQuant does), its
+kernel block is one 128-token group, and it keeps one tail per running sequence and attention layer.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from types import ModuleType
+
+from rig import paths
+from rig.kernels import load_file, module_name
+
+REFERENCE = paths.ROOT / "kernels" / "kvarn" / "reference.py"
+# The module name kernels/kvarn/kvarn_triton.py and the kvarn tests load reference.py under: one module object.
+MODULE = module_name("kvarn", "reference")
+
+
+@cache
+def reference() -> ModuleType:
+    """kernels/kvarn/reference.py (imports torch only), the one module object the kernels and tests load too."""
+    return load_file(REFERENCE, MODULE)
+
+
+def group_tokens() -> int:
+    """Tokens that share channel scales: a page, the kernel's block and the unit a prefix hit can land on."""
+    return reference().GROUP_TOKENS
+
+
+def head_token_bytes(head_dim: int) -> int:
+    """Packed bytes of one token of one KV head in one layer, K (4-bit) and V (2-bit) with their scales.
+
+    The per-group channel scales are spread over the group's tokens; vLLM's page arithmetic needs a
+    whole number of bytes per head and token, so a head_dim whose share is fractional is refused.
+    """
+    r = reference()
+    group = r.GROUP_TOKENS
+    total = r.group_bytes(r.K_BITS, 1, head_dim, group) + r.group_bytes(r.V_BITS, 1, head_dim, group)
+    if total % group:
+        raise ValueError(f"head_dim={head_dim}: a KVarN group of one head takes {total} B, not a whole number of "
+                         f"bytes for each of its {group} tokens (a head_dim that is a multiple of 32 is)")
+    return total // group
+
+
+def tail_bytes(kv_heads: int, head_dim: int, value_bytes: int) -> int:
+    """One running sequence's unquantized tail in one attention layer (reference.tail_bytes)."""
+    return reference().tail_bytes(kv_heads, head_dim, value_bytes)
