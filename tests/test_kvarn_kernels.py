@@ -335,7 +335,7 @@ def _decode_check(kt, cache, q: torch.Tensor, kv, device: str, where: str, same_
 
 DECODE_VARIANTS = [pytest.param({}, id="v1"), pytest.param({"variant": "v2"}, id="v2"),
                    pytest.param({"variant": "v2", "precise": "k"}, id="v2-precise-k"),
-                   pytest.param({"variant": "v2", "block_t": 128}, id="v2-block128")]
+                   pytest.param({"variant": "v2", "block_t": 32, "num_warps": 4}, id="v2-block32")]
 """decode_attention's split kernels (and v2 knobs) that every decode check runs: v1 is the default."""
 
 

@@ -562,8 +562,8 @@ def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device) ->
     return gps, math.ceil(max_groups / gps)
 
 
-DECODE_DEFAULTS = {"v1": (32, 8), "v2": (64, 4)}
-"""Per decode variant: (block_t, num_warps) when the caller gives none."""
+DECODE_DEFAULTS = {"v1": (32, 8), "v2": (128, 8)}
+"""Per decode variant: (block_t, num_warps) when the caller gives none (v2: no spills on sm90, untimed)."""
 
 
 def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, n_groups: torch.Tensor,
@@ -581,7 +581,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
 
     variant: "v1" (_decode_split_kernel: BLOCK_T-token tiles, 12 dots each; defaults block_t 32,
     8 warps) or "v2" (_decode_split_kernel_v2: one K and one V dot per tile, each x2 (fp16 hi + lo)
-    where ``precise`` names it: "kv" (default), "k", "v" or ""; defaults block_t 64, 4 warps).
+    where ``precise`` names it: "kv" (default), "k", "v" or ""; defaults block_t 128, 8 warps).
     splits, block_t (a power of two dividing 128), num_warps and precise are tuning knobs; the
     combine kernel and the outputs' meaning are the same.
     """
