@@ -17,7 +17,8 @@ What is held:
 * decode: relative error <= 1e-3 against fp32 attention over the reference-dequantized K/V (plus
   the unquantized tail), and the same distance to fp32 attention over the original K/V as the
   reference has; paged (shuffled pages), GQA 24/4, several splits, a sequence with no full group,
-  one with an empty tail. Outputs are poisoned with NaN first; inputs are fresh random per check
+  one with an empty tail; for each decode split kernel (DECODE_VARIANTS: v1, v2 and v2's knobs).
+  v2 also agrees with v1 to fp32 rounding. Outputs are poisoned with NaN first; inputs are fresh random per check
   (the seed is in the message; RIG_TEST_SEED replays). Negative controls: the same bound fails
   when the reader skips the rotation, and a page write leaves other pages untouched.
 """
@@ -332,28 +333,38 @@ def _decode_check(kt, cache, q: torch.Tensor, kv, device: str, where: str, same_
     return res
 
 
-def test_decode_matches_attention_over_the_dequantized_cache(dev):
+DECODE_VARIANTS = [pytest.param({}, id="v1"), pytest.param({"variant": "v2"}, id="v2"),
+                   pytest.param({"variant": "v2", "precise": "k"}, id="v2-precise-k"),
+                   pytest.param({"variant": "v2", "block_t": 32, "num_warps": 4}, id="v2-block32")]
+"""decode_attention's split kernels (and v2 knobs) that every decode check runs: v1 is the default."""
+
+
+@pytest.mark.parametrize("variant", DECODE_VARIANTS)
+def test_decode_matches_attention_over_the_dequantized_cache(dev, variant):
     """Lengths 300 (2 groups + 44 tail), 77 (tail only), 384 (3 groups, empty tail); 2 splits; token-by-token writes."""
     kt, device = dev
     seed = _fresh_seed()
     cache, q, kv = _build(kt, [300, 77, 384], seed, device, pieces=True)
     assert cache.host_groups == [2, 0, 3] and cache.host_tail == [44, 77, 0]
-    where = f"lens [300, 77, 384], seed {seed}"
-    for rel, cos in _decode_check(kt, cache, q, kv, device, where, splits=2):
+    where = f"lens [300, 77, 384], {variant}, seed {seed}"
+    for rel, cos in _decode_check(kt, cache, q, kv, device, where, splits=2, **variant):
         assert rel <= DECODE_BOUND, f"relative error {rel} (cosine {cos}) > {DECODE_BOUND}: {where}"
 
 
-def test_decode_negative_control_reader_without_rotation_fails(dev):
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:2])
+def test_decode_negative_control_reader_without_rotation_fails(dev, variant):
     """The same check on a KVarN cache read as if unrotated (rotated=False) is far outside the bound."""
     kt, device = dev
     seed = _fresh_seed()
     cache, q, kv = _build(kt, [256], seed, device, pieces=False)
     cache.rotated = False
-    (rel, _), = _decode_check(kt, cache, q, kv, device, f"unrotated read, seed {seed}", same_distance=False)
+    (rel, _), = _decode_check(kt, cache, q, kv, device, f"unrotated read, {variant}, seed {seed}",
+                              same_distance=False, **variant)
     assert rel > 100 * DECODE_BOUND, f"unrotated read passed ({rel}): the check would not catch it, seed {seed}"
 
 
-def test_decode_plain_rtn_layout(dev):
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:3])
+def test_decode_plain_rtn_layout(dev, variant):
     """The baseline layout (no rotation, channel scales 1) read with rotated=False matches its reference."""
     kt, device = dev
     r = kt.reference
@@ -361,18 +372,36 @@ def test_decode_plain_rtn_layout(dev):
     q, k, v = _context(r, 200, seed % 10_000, queries=1)
     cache = kt.PagedKvarnCache(2, 1, 1, device=device, rotated=False)
     cache.append(0, k.to(device), v.to(device))
-    out = cache.decode(q.to(device), out=torch.full(q.shape, float("nan"), device=device)).cpu()
+    out = cache.decode(q.to(device), out=torch.full(q.shape, float("nan"), device=device), **variant).cpu()
     kd, vd = r.cached_context(k, r.K_BITS, False, False), r.cached_context(v, r.V_BITS, False, False)
     rel, cos = r.errors(r.attention(q, kd, vd)[0], out[0])
-    assert rel <= DECODE_BOUND, f"plain RTN decode rel error {rel}, seed {seed}"
+    assert rel <= DECODE_BOUND, f"plain RTN decode rel error {rel}, {variant}, seed {seed}"
+
+
+def test_decode_v2_matches_v1_and_rejects_bad_knobs(dev):
+    """v2 (several tiles, splits, warps) agrees with v1 to ~fp32 rounding on the same cache; bad knobs are refused."""
+    kt, device = dev
+    seed = _fresh_seed()
+    cache, q, _ = _build(kt, [520, 300], seed, device, pieces=False)
+    q = q.to(device)
+    v1 = cache.decode(q, variant="v1", splits=3).float()
+    for kw in ({"block_t": 32, "splits": 1}, {"block_t": 64, "splits": 4, "num_warps": 8}, {"block_t": 16}):
+        v2 = cache.decode(q, variant="v2", **kw).float()
+        rel = ((v2 - v1).norm() / v1.norm()).item()
+        assert rel <= 1e-5, f"v2 {kw} vs v1: rel {rel}, seed {seed}"
+    with pytest.raises(ValueError, match="variant"):
+        cache.decode(q, variant="v3")
+    with pytest.raises(ValueError, match="block_t"):
+        cache.decode(q, variant="v2", block_t=48)
 
 
 # ----------------------------------------------------------------------------- GPU scale
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:3])
 @pytest.mark.parametrize("length", [8192, 32768])
-def test_decode_gpu_scale_eight_sequences(length):
+def test_decode_gpu_scale_eight_sequences(length, variant):
     """8 sequences of ~length tokens (ragged), fp16 query, default splits: vs fp32 attention over the kernel's
     own dequant (which the tests above hold to the reference), on the GPU."""
     kt = _load()
@@ -386,11 +415,11 @@ def test_decode_gpu_scale_eight_sequences(length):
         k[:, :, :4] *= 12
         cache.append(s, k, v)
     q = torch.randn(8, 24, 256, generator=g, device="cuda").half()
-    out = cache.decode(q, out=torch.full_like(q, float("nan")))
+    out = cache.decode(q, out=torch.full_like(q, float("nan")), **variant)
     assert not out.isnan().any(), f"rows left unwritten, seed {seed}"
     r = kt.reference
     for s in range(8):
         k, v = cache.context(s, torch.float32)  # fp32 dequant (held to the reference above) + the fp16 tail
         want = r.attention(q[s:s + 1].float(), k, v)[0]  # reference.attention is torch only: runs on the GPU
         rel, cos = r.errors(want.cpu(), out[s].float().cpu())
-        assert rel <= DECODE_BOUND, f"seq {s} ({lens[s]} tokens): rel error {rel}, seed {seed}"
+        assert rel <= DECODE_BOUND, f"seq {s} ({lens[s]} tokens): rel error {rel}, {variant}, seed {seed}"

@@ -199,9 +199,13 @@ def copy_bandwidth(device, nbytes: int, warmup: int, iters: int) -> float:
     return 2 * nbytes / timed(lambda: dst.copy_(src), device, warmup, iters)
 
 
-def time_rows(kt, length: int, batch: int, device, warmup: int, iters: int, copy_bps: float,
-              tiles: dict) -> list[dict]:
-    """Decode time of ours on the packed cache vs torch SDPA over an fp16 cache, ``batch`` sequences of ``length``."""
+def decode_setup(kt, length: int, batch: int, device) -> dict:
+    """The time rows' inputs: ``batch`` sequences of ``length`` random tokens (seeded by length) quantized into a
+    packed pool (pages in order) and kept as an fp16 cache [batch, 4, L, 256]; an fp16 query [batch, 24, 256].
+
+    Returns q, out (an fp16 buffer like q), args (decode_attention's arguments after q), pool, kf, vf and
+    sdpa (a callable: torch SDPA of q over kf, vf with enable_gqa, the fp16 baseline).
+    """
     import torch
 
     g = torch.Generator(device=device).manual_seed(length)
@@ -219,12 +223,19 @@ def time_rows(kt, length: int, batch: int, device, warmup: int, iters: int, copy
         del k, v
     table = torch.arange(batch * groups, dtype=torch.int32, device=device).view(batch, groups)
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=g, device=device).half()
-    out = torch.empty_like(q)
-    args = decode_args(kt, pool, table, groups, torch.float16)
-    ours = timed(lambda: kt.decode_attention(q, *args, out=out, **tiles), device, warmup, iters)
     qs = q.view(batch, Q_HEADS, 1, HEAD_DIM)
-    sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, kf, vf, enable_gqa=True),
-                 device, warmup, iters)
+    return {"q": q, "out": torch.empty_like(q), "args": decode_args(kt, pool, table, groups, torch.float16),
+            "pool": pool, "kf": kf, "vf": vf,
+            "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(qs, kf, vf, enable_gqa=True)}
+
+
+def time_rows(kt, length: int, batch: int, device, warmup: int, iters: int, copy_bps: float,
+              tiles: dict) -> list[dict]:
+    """Decode time of ours on the packed cache vs torch SDPA over an fp16 cache, ``batch`` sequences of ``length``."""
+    x = decode_setup(kt, length, batch, device)
+    q, out, args, pool, kf, vf = x["q"], x["out"], x["args"], x["pool"], x["kf"], x["vf"]
+    ours = timed(lambda: kt.decode_attention(q, *args, out=out, **tiles), device, warmup, iters)
+    sdpa = timed(x["sdpa"], device, warmup, iters)
     packed, plain = pool.nbytes, kf.nbytes + vf.nbytes
     return [
         {"tokens": length, "format": f"kvarn decode x{batch}", "seconds": ours, "speedup_vs_sdpa": sdpa / ours,
@@ -278,6 +289,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-t", type=int, default=32, help="decode kernel: tokens per inner tile (16, 32, 64)")
     ap.add_argument("--num-warps", type=int, default=8, help="decode kernel: warps per program")
+    ap.add_argument("--variant", default="v1", help="decode split kernel: v1 or v2 (kvarn_decode_sweep.py tunes v2)")
     ap.add_argument("--json", default="", help="also write the rows and the run's facts here")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in Triton's interpreter (no speeds)")
     a = ap.parse_args()
@@ -308,12 +320,12 @@ def main() -> int:
     copy_bps = copy_bandwidth(device, (16 << 20) if a.smoke else (2 << 30), a.warmup, a.iters)
     for length in time_lengths:
         rows += time_rows(kt, length, a.batch, device, a.warmup, a.iters, copy_bps,
-                          {"block_t": a.block_t, "num_warps": a.num_warps})
+                          {"block_t": a.block_t, "num_warps": a.num_warps, "variant": a.variant})
     import triton
 
     print(f"KVarN kernels, {name}, torch {torch.__version__}, triton {triton.__version__}, seed {a.seed}; "
           f"error rows: 4 queries x {Q_HEADS} heads, KV {KV_HEADS} x {HEAD_DIM}, fp32 reference; "
-          f"time rows: {a.batch} sequences, median of {a.iters} after {a.warmup} warmup, decode tiles "
+          f"time rows: {a.batch} sequences, median of {a.iters} after {a.warmup} warmup, decode {a.variant} "
           f"block_t {a.block_t}, {a.num_warps} warps")
     for n, why in tq.items():
         if isinstance(why, str):
@@ -326,8 +338,8 @@ def main() -> int:
         print(goals(rows, a.batch))
     if a.json:
         facts = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "seed": a.seed,
-                 "smoke": a.smoke, "batch": a.batch, "block_t": a.block_t, "num_warps": a.num_warps,
-                 "iters": a.iters, "warmup": a.warmup,
+                 "smoke": a.smoke, "batch": a.batch, "variant": a.variant, "block_t": a.block_t,
+                 "num_warps": a.num_warps, "iters": a.iters, "warmup": a.warmup,
                  "copy_Bps": copy_bps, "turboquant": {n: (w if isinstance(w, str) else "ran") for n, w in tq.items()}}
         Path(a.json).write_text(json.dumps({"facts": facts, "rows": rows}, indent=1) + "\n")
         print(f"\nwrote {a.json}")

@@ -52,6 +52,11 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
          {"num_warps": 8}),
         ("decode split", kt._decode_split_kernel, split, dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=33,
                                                              BLOCK_G=16, BLOCK_T=32), {"num_warps": 8}),
+        *[(f"decode split v2 t{bt} w{w} {pk or 'fp16'}", kt._decode_split_kernel_v2, split,
+           dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=16, BLOCK_G=16, BLOCK_T=bt, PRECISE_K="k" in pk,
+                PRECISE_V="v" in pk), {"num_warps": w})
+          for bt, w, pk in ((32, 4, "kv"), (64, 4, "kv"), (64, 8, "kv"), (128, 4, "kv"), (128, 8, "kv"),
+                            (128, 16, "kv"), (64, 8, "k"), (128, 8, "k"), (128, 16, "k"))],
         ("decode combine", kt._decode_combine_kernel, combine, dict(HKV=4, QPK=6, D=256, T=128, NSPLIT=33,
                                                                    NSPLIT_P2=64, TAIL_T=16), {"num_warps": 4}),
     ]
@@ -71,6 +76,7 @@ def entries(kt, targets: list[int]) -> Iterator[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="86,90", help="compute capabilities, e.g. 86,90")
+    ap.add_argument("--only", default="", help="only the kernels whose label contains this, e.g. 'decode split'")
     a = ap.parse_args()
     kt = load_kernels()
     import triton
@@ -78,7 +84,8 @@ def main() -> int:
     print(f"KVarN kernels compiled without a GPU, triton {triton.__version__}")
     print("\n| kernel | arch | shared bytes | within the arch's shared memory | ptxas |\n|---|---|---:|---|---|")
     bad = 0
-    for c in kbuild.compile_check(entries(kt, [int(x) for x in a.arch.split(",")])):
+    chosen = (e for e in entries(kt, [int(x) for x in a.arch.split(",")]) if a.only in e["name"])
+    for c in kbuild.compile_check(chosen):
         if c.error:
             bad += 1
             print(f"| {c.name} | {c.arch} | - | - | FAILED: {c.error} |")

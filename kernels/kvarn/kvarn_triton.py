@@ -410,6 +410,95 @@ def _decode_split_kernel(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr
 
 
 @triton.jit
+def _decode_split_kernel_v2(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_ptr, ml_ptr, page_bytes, gps,
+                            K_CODES: tl.constexpr, K_TS: tl.constexpr, K_TO: tl.constexpr, K_CS: tl.constexpr,
+                            V_CODES: tl.constexpr, V_TS: tl.constexpr, V_TO: tl.constexpr, V_CS: tl.constexpr,
+                            HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                            NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
+                            PRECISE_K: tl.constexpr, PRECISE_V: tl.constexpr):
+    """_decode_split_kernel's math with one K dot and one V dot (x2 with PRECISE_K / _V) per BLOCK_T-token tile.
+
+    Channels are held in a packed order so each code tile is one [D, BLOCK_T] (K) / [BLOCK_T, D] (V)
+    fp16 operand built straight from the bytes, with no transpose and no per-crumb partial dots:
+    K row r is nibble r // (D/2) of byte r % (D/2) (channel 2 (r % (D/2)) + r // (D/2)); V column c
+    is crumb c // (D/4) of byte c % (D/4) (channel 4 (c % (D/4)) + c // (D/4)). A byte is loaded once
+    per nibble/crumb (the repeats hit L1; DRAM traffic is unchanged). The rotated query and the
+    channel scales are gathered in that order, and the accumulator is scattered back to natural
+    order once at the end, so o/ml are exactly the v1 kernel's (the same combine kernel reads them).
+    PRECISE_K / PRECISE_V split the fp16 operand q' / p*ts into hi + lo (v1's ~22-bit precision, two
+    dots); without, one fp16 dot (~11 bits: faster, less exact; both off misses the tests' 1e-3 bound).
+    """
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    j = tl.program_id(2)
+    HQ: tl.constexpr = HKV * QPK
+    KB: tl.constexpr = D // 2
+    VB: tl.constexpr = D // 4
+    rows = tl.arange(0, BLOCK_G)
+    rmask = rows < QPK
+    r = tl.arange(0, D)
+    kch = 2 * (r % KB) + r // KB  # K: packed row -> channel
+    kbyte = r % KB
+    kshift = 4 * (r // KB)
+    vch = 4 * (r % VB) + r // VB  # V: packed column -> channel
+    vbyte = r % VB
+    vshift = 2 * (r // VB)
+    q = tl.load(qr_ptr + (s * HQ + h * QPK + rows).to(tl.int64)[:, None] * D + kch[None, :],
+                mask=rmask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    g0 = j * gps
+    g1 = tl.minimum(g0 + gps, tl.load(ngroups_ptr + s))
+    tt = tl.arange(0, BLOCK_T)
+    for g in range(g0, g1):
+        base = tl.load(bt_row + g).to(tl.int64) * page_bytes
+        fb = base // 2
+        qs = q * tl.load(f16_ptr + fb + K_CS // 2 + h * D + kch).to(tl.float32)[None, :]
+        qsum = tl.sum(qs, axis=1)
+        amax = tl.max(tl.abs(qs), axis=1)
+        amax = tl.where(amax > 0, amax, 1.0)
+        qn = qs / amax[:, None]
+        q_hi = qn.to(tl.float16)
+        if PRECISE_K:
+            q_lo = (qn - q_hi.to(tl.float32)).to(tl.float16)
+        vcs = tl.load(f16_ptr + fb + V_CS // 2 + h * D + vch).to(tl.float32)
+        for t0 in tl.static_range(0, T, BLOCK_T):
+            t = t0 + tt
+            kraw = tl.load(u8_ptr + base + K_CODES + (t[None, :] * HKV + h) * KB + kbyte[:, None])
+            kc = ((kraw >> kshift[:, None].to(tl.uint8)) & 15).to(tl.float16)  # [D, BLOCK_T]
+            dots = tl.dot(q_hi, kc, out_dtype=tl.float32)
+            if PRECISE_K:
+                dots += tl.dot(q_lo, kc, out_dtype=tl.float32)
+            ts = tl.load(f16_ptr + fb + K_TS // 2 + t * HKV + h).to(tl.float32)
+            to = tl.load(f16_ptr + fb + K_TO // 2 + t * HKV + h).to(tl.float32)
+            sc = dots * amax[:, None] * ts[None, :] + qsum[:, None] * to[None, :]
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            vraw = tl.load(u8_ptr + base + V_CODES + (t[:, None] * HKV + h) * VB + vbyte[None, :])
+            vc = ((vraw >> vshift[None, :].to(tl.uint8)) & 3).to(tl.float16)  # [BLOCK_T, D]
+            tsv = tl.load(f16_ptr + fb + V_TS // 2 + t * HKV + h).to(tl.float32)
+            tov = tl.load(f16_ptr + fb + V_TO // 2 + t * HKV + h).to(tl.float32)
+            tmax = tl.max(tsv, axis=0)
+            tmax = tl.where(tmax > 0, tmax, 1.0)
+            pa = p * (tsv / tmax)[None, :]
+            a_hi = pa.to(tl.float16)
+            pv = tl.dot(a_hi, vc, out_dtype=tl.float32)
+            if PRECISE_V:
+                pv += tl.dot((pa - a_hi.to(tl.float32)).to(tl.float16), vc, out_dtype=tl.float32)
+            off = tl.sum(p * tov[None, :], axis=1)
+            acc = acc * alpha[:, None] + (pv * tmax + off[:, None]) * vcs[None, :]
+    slot = ((s * HQ + h * QPK + rows) * NSPLIT + j).to(tl.int64)
+    tl.store(o_ptr + slot[:, None] * D + vch[None, :], acc, mask=rmask[:, None])
+    tl.store(ml_ptr + slot * 2, m_i, mask=rmask)
+    tl.store(ml_ptr + slot * 2 + 1, l_i, mask=rmask)
+
+
+@triton.jit
 def _decode_combine_kernel(o_ptr, ml_ptr, qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, stride_ts, stride_tt,
                            rot_ptr, plain_ptr, HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
                            NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, TAIL_T: tl.constexpr):
@@ -473,10 +562,15 @@ def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device) ->
     return gps, math.ceil(max_groups / gps)
 
 
+DECODE_DEFAULTS = {"v1": (32, 8), "v2": (128, 8)}
+"""Per decode variant: (block_t, num_warps) when the caller gives none (v2: no spills on sm90, untimed)."""
+
+
 def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, n_groups: torch.Tensor,
                      max_groups: int, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_len: torch.Tensor,
                      out: torch.Tensor | None = None, layout: PageLayout = MODEL_LAYOUT, rotated: bool = True,
-                     splits: int | None = None, block_t: int = 32, num_warps: int = 8) -> torch.Tensor:
+                     splits: int | None = None, block_t: int | None = None, num_warps: int | None = None,
+                     variant: str = "v1", precise: str = "kv") -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
 
     q [S, HQ, D]; block_table int32 [S, >= max_groups] (page of each full group); n_groups, tail_len
@@ -484,7 +578,19 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     [S, 128, HKV, D] (fp16/bf16/fp32), the newest tail_len[s] tokens in the first rows. Every
     sequence needs at least one token. rotated=False reads the plain-RTN layout (no query rotation).
     Launches: query rotation, split kernel (when any group is full), combine + tail, un-rotation.
+
+    variant: "v1" (_decode_split_kernel: BLOCK_T-token tiles, 12 dots each; defaults block_t 32,
+    8 warps) or "v2" (_decode_split_kernel_v2: one K and one V dot per tile, each x2 (fp16 hi + lo)
+    where ``precise`` names it: "kv" (default), "k", "v" or ""; defaults block_t 128, 8 warps).
+    splits, block_t (a power of two dividing 128), num_warps and precise are tuning knobs; the
+    combine kernel and the outputs' meaning are the same.
     """
+    if variant not in DECODE_DEFAULTS:
+        raise ValueError(f"variant {variant!r}: one of {sorted(DECODE_DEFAULTS)}")
+    block_t = block_t or DECODE_DEFAULTS[variant][0]
+    num_warps = num_warps or DECODE_DEFAULTS[variant][1]
+    if block_t < 16 or layout.group % block_t or block_t & (block_t - 1):
+        raise ValueError(f"block_t {block_t}: a power of two >= 16 dividing {layout.group}")
     s_, hq, d = q.shape
     hkv, t = layout.heads, layout.group
     if hq % hkv or d != layout.dim:
@@ -502,11 +608,14 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     lay = layout
     if nsplit:
         qr = rotate(qp) if rotated else qp
-        _decode_split_kernel[(s_, hkv, nsplit)](
-            qr, pool, pool.view(torch.float16), block_table, block_table.stride(0), n_groups, o_part, ml,
-            lay.page_bytes, gps, K_CODES=lay.k_codes, K_TS=lay.k_ts, K_TO=lay.k_to, K_CS=lay.k_cs,
-            V_CODES=lay.v_codes, V_TS=lay.v_ts, V_TO=lay.v_to, V_CS=lay.v_cs, HKV=hkv, QPK=qpk, D=d, T=t,
-            NSPLIT=nsplit, BLOCK_G=max(16, triton.next_power_of_2(qpk)), BLOCK_T=block_t, num_warps=num_warps)
+        kw = dict(K_CODES=lay.k_codes, K_TS=lay.k_ts, K_TO=lay.k_to, K_CS=lay.k_cs, V_CODES=lay.v_codes,
+                  V_TS=lay.v_ts, V_TO=lay.v_to, V_CS=lay.v_cs, HKV=hkv, QPK=qpk, D=d, T=t, NSPLIT=nsplit,
+                  BLOCK_G=max(16, triton.next_power_of_2(qpk)), BLOCK_T=block_t, num_warps=num_warps)
+        kernel = _decode_split_kernel
+        if variant == "v2":
+            kernel, kw["PRECISE_K"], kw["PRECISE_V"] = _decode_split_kernel_v2, "k" in precise, "v" in precise
+        kernel[(s_, hkv, nsplit)](qr, pool, pool.view(torch.float16), block_table, block_table.stride(0), n_groups,
+                                  o_part, ml, lay.page_bytes, gps, **kw)
     rot = torch.empty(s_, hq, d, dtype=torch.float32, device=q.device)
     plain = torch.empty_like(rot)
     _decode_combine_kernel[(s_ * hq,)](o_part, ml, qp, tail_k, tail_v, tail_len, tail_k.stride(0), tail_k.stride(1),

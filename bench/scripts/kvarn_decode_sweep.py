@@ -1,0 +1,156 @@
+"""KVarN decode tile sweep on a GPU: each (variant, block_t, num_warps, splits, precise) config vs fp16 SDPA.
+
+For --lengths (default 8k, 32k, 128k) and --batch 8 sequences (kvarn_bench.decode_setup's inputs:
+random K/V quantized into a packed pool, the same tokens as an fp16 cache, one fp16 query token per
+sequence), times torch SDPA over the fp16 cache and ``decode_attention`` under each config of a
+small grid (CONFIGS), with kvarn_bench.timed (CUDA events, median of --iters after --warmup). Each
+config's output is compared with the v1 kernel's defaults (max |diff| over all lengths; the output is fp16,
+so ~2e-4 is one fp16 ulp near 0.3). Prints one
+markdown table sorted by the time at 32k (or the middle length), then the best config's speedup vs
+SDPA and its share of the measured copy bandwidth (packed bytes read / time). A config that fails to
+compile or run gets its error in the table, and the sweep goes on.
+
+Needs only torch, triton and numpy (no pydantic: kvarn_bench imports rig.kernels, which imports rig.paths
+only). Exits 2 without CUDA. ``--smoke``: a tiny size and a few configs on CPU in Triton's interpreter,
+to check the script end to end (no speeds).
+
+    python bench/scripts/kvarn_decode_sweep.py [--lengths 8192,32768,131072] [--batch 8] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kvarn_bench as kb  # noqa: E402
+
+BASELINE = {"variant": "v1"}
+"""The old kernel at its defaults (block_t 32, 8 warps, auto splits): the sweep's reference output."""
+CONFIGS = [BASELINE] + [
+    {"variant": "v2", "block_t": bt, "num_warps": w, "precise": "kv"}
+    for bt, w in ((32, 8), (64, 4), (64, 8), (128, 8), (128, 16))
+] + [
+    {"variant": "v2", "block_t": bt, "num_warps": 8, "precise": "kv", "splits": sp}
+    for bt, sp in ((128, 8), (128, 32), (128, 64), (64, 32))
+] + [
+    {"variant": "v2", "block_t": bt, "num_warps": w, "precise": "k"} for bt, w in ((64, 8), (128, 8), (128, 16))
+] + [
+    {"variant": "v2", "block_t": 128, "num_warps": 8, "precise": "k", "splits": sp} for sp in (8, 32)
+] + [
+    {"variant": "v2", "block_t": bt, "num_warps": 8, "precise": ""} for bt in (64, 128)
+]
+"""17 configs (sm90 compile check: 4 warps spill at every block_t, 8 warps at block_t 128 and 16 warps do not or
+barely). precise "kv" is v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
+SMOKE_CONFIGS = [BASELINE, {"variant": "v2"},
+                 {"variant": "v2", "block_t": 128, "num_warps": 8, "precise": "k", "splits": 2}]
+
+
+def label(cfg: dict, kt_defaults: dict) -> tuple[str, str, str, str, str]:
+    """Table cells: variant, block_t, warps, splits, precise (kernel defaults shown as such)."""
+    d = kt_defaults[cfg["variant"]]
+    return (cfg["variant"], str(cfg.get("block_t", d[0])), str(cfg.get("num_warps", d[1])),
+            str(cfg.get("splits", "auto")), repr(cfg.get("precise", "kv")) if cfg["variant"] == "v2" else "kv (hi+lo)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="8192,32768,131072", help="context lengths (multiples of 128)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences")
+    ap.add_argument("--iters", type=int, default=20, help="timed iterations (median)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="tiny size, 3 configs, CPU in Triton's interpreter")
+    a = ap.parse_args()
+    configs = CONFIGS
+    if a.smoke:
+        a.lengths, a.batch, a.iters, a.warmup, configs = "256,384", 2, 1, 0, SMOKE_CONFIGS
+    lengths = [int(x) for x in a.lengths.split(",") if x]
+    if not lengths or any(n <= 0 or n % kb.GROUP for n in lengths):
+        print(f"--lengths {a.lengths}: positive multiples of {kb.GROUP}", file=sys.stderr)
+        return 2
+    kt = kb.load_kernels(a.smoke)
+    import torch
+    import triton
+
+    if not a.smoke and not torch.cuda.is_available():
+        print("no CUDA device: run on a GPU, or pass --smoke for the CPU interpreter check", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if a.smoke else "cuda")
+    key = 32768 if 32768 in lengths else lengths[len(lengths) // 2]
+    copy_bps = kb.copy_bandwidth(device, (16 << 20) if a.smoke else (2 << 30), a.warmup, max(a.iters, 1))
+    sdpa, packed, plain = {}, {}, {}
+    times = [{} for _ in configs]
+    diffs = [0.0 for _ in configs]
+    errors = ["" for _ in configs]
+    for n in lengths:
+        x = kb.decode_setup(kt, n, a.batch, device)
+        q, args = x["q"], x["args"]
+        packed[n], plain[n] = x["pool"].nbytes, x["kf"].nbytes + x["vf"].nbytes
+        sdpa[n] = kb.timed(x["sdpa"], device, a.warmup, a.iters)
+        ref = kt.decode_attention(q, *args, **BASELINE).float()
+        for i, cfg in enumerate(configs):
+            if errors[i]:
+                continue
+            try:
+                out = torch.full_like(q, float("nan"))
+                got = kt.decode_attention(q, *args, out=out, **cfg).float()
+                diffs[i] = max(diffs[i], (got - ref).abs().max().item())  # NaN (rows left unwritten) stays NaN
+                if got.isnan().any():
+                    diffs[i] = float("nan")
+                times[i][n] = kb.timed(lambda q=q, args=args, out=out, cfg=cfg: kt.decode_attention(
+                    q, *args, out=out, **cfg), device, a.warmup, a.iters)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, the sweep goes on
+                errors[i] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+        x = q = args = ref = None  # frees this length's caches before the next
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def us(sec):
+        return "smoke" if a.smoke else f"{sec * 1e6:,.1f}"
+
+    name = "CPU, Triton interpreter (smoke)" if a.smoke else torch.cuda.get_device_name(device)
+    print(f"KVarN decode sweep, {name}, torch {torch.__version__}, triton {triton.__version__}; {a.batch} sequences, "
+          f"24 query / 4 KV heads x 256; median of {a.iters} after {a.warmup} warmup; packed cache "
+          f"{packed[lengths[0]] / (a.batch * lengths[0]):,.0f} B/token; copy bandwidth "
+          + ("smoke" if a.smoke else f"{copy_bps / 1e9:,.0f} GB/s"))
+    print()
+    def short(n):
+        return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+    cols = " | ".join(f"µs {short(n)}" for n in lengths)
+    print(f"| variant | block_t | warps | splits | precise | {cols} | vs SDPA {short(key)} | % copy {short(key)} "
+          "| max abs diff vs v1 |")
+    print("|---|---:|---:|---:|---|" + "---:|" * len(lengths) + "---:|---:|---:|")
+    spct = "smoke" if a.smoke else f"{100 * plain[key] / sdpa[key] / copy_bps:.0f}%"
+    print(f"| fp16 SDPA | - | - | - | - | {' | '.join(us(sdpa[n]) for n in lengths)} | 1.00x | {spct} | - |")
+    order = sorted(range(len(configs)), key=lambda i: (bool(errors[i]), times[i].get(key, float("inf"))))
+    for i in order:
+        cells = " | ".join(label(configs[i], kt.DECODE_DEFAULTS))
+        if errors[i]:
+            print(f"| {cells} | failed: {errors[i]} |" + " |" * (len(lengths) + 2))
+            continue
+        t = times[i]
+        speed = "smoke" if a.smoke else f"{sdpa[key] / t[key]:.2f}x"
+        pct = "smoke" if a.smoke else f"{100 * packed[key] / t[key] / copy_bps:.0f}%"
+        print(f"| {cells} | {' | '.join(us(t[n]) for n in lengths)} | {speed} | {pct} | {diffs[i]:.2e} |")
+    ok = [i for i in order if not errors[i]]
+    if not ok:
+        print("\nno config ran")
+        return 1
+    best = ok[0]
+    print()
+    print(f"best at {key:,}: {' '.join(f'{k}={v}' for k, v in configs[best].items())}")
+    for n in lengths:
+        t = times[best][n]
+        if a.smoke:
+            print(f"  {n:,} tokens: smoke (interpreter timings are not speeds); max abs diff vs v1 {diffs[best]:.2e}")
+        else:
+            print(f"  {n:,} tokens: {t * 1e6:,.1f} µs, {sdpa[n] / t:.2f}x fp16 SDPA ({sdpa[n] * 1e6:,.1f} µs), "
+                  f"{packed[n] / t / 1e9:,.0f} GB/s = {100 * packed[n] / t / copy_bps:.0f}% of copy bandwidth")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
