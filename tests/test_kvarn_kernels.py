@@ -333,10 +333,10 @@ def _decode_check(kt, cache, q: torch.Tensor, kv, device: str, where: str, same_
     return res
 
 
-DECODE_VARIANTS = [pytest.param({}, id="v1"), pytest.param({"variant": "v2"}, id="v2"),
+DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({}, id="v2"),
                    pytest.param({"variant": "v2", "precise": "k"}, id="v2-precise-k"),
                    pytest.param({"variant": "v2", "block_t": 32, "num_warps": 4}, id="v2-block32")]
-"""decode_attention's split kernels (and v2 knobs) that every decode check runs: v1 is the default."""
+"""decode_attention's split kernels (and v2 knobs) that every decode check runs: v2 is the default."""
 
 
 @pytest.mark.parametrize("variant", DECODE_VARIANTS)

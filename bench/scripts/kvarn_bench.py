@@ -287,9 +287,10 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=30, help="timed iterations (median; >= 20 on a GPU)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--block-t", type=int, default=32, help="decode kernel: tokens per inner tile (16, 32, 64)")
-    ap.add_argument("--num-warps", type=int, default=8, help="decode kernel: warps per program")
-    ap.add_argument("--variant", default="v1", help="decode split kernel: v1 or v2 (kvarn_decode_sweep.py tunes v2)")
+    ap.add_argument("--block-t", type=int, default=0,
+                    help="decode kernel: tokens per inner tile (16 ... 128); 0 = the variant's default")
+    ap.add_argument("--num-warps", type=int, default=0, help="decode kernel: warps per program; 0 = the variant's")
+    ap.add_argument("--variant", default="v2", help="decode split kernel: v2 (default) or v1 (kvarn_decode_sweep.py)")
     ap.add_argument("--json", default="", help="also write the rows and the run's facts here")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in Triton's interpreter (no speeds)")
     a = ap.parse_args()
@@ -302,6 +303,10 @@ def main() -> int:
         print(f"lengths {bad} are not positive multiples of {GROUP}", file=sys.stderr)
         return 2
     kt = load_kernels(a.smoke)
+    if a.variant not in kt.DECODE_DEFAULTS:
+        ap.error(f"--variant {a.variant!r}: one of {sorted(kt.DECODE_DEFAULTS)}")
+    a.block_t = a.block_t or kt.DECODE_DEFAULTS[a.variant][0]  # the record names the tiles that ran
+    a.num_warps = a.num_warps or kt.DECODE_DEFAULTS[a.variant][1]
     import torch
 
     if not a.smoke and not torch.cuda.is_available():

