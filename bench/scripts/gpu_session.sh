@@ -19,15 +19,21 @@
 #              so GPU steps between the two overlap the fixture's CPU work
 #   pack       tar OUT (less the Triton cache) into the file PACK names, for channels that return few files
 #   real       serve the batch profile on the real shape under the gpu24 overlay, verify it live
-#              (pool and concurrency vs the planner), one ladder cell, stop
+#              (pool and concurrency vs the planner), one ladder cell, stop (files in OUT/real/)
+#   ladder     the same for each rung of LADDER ("name:KNOB=v ...;name:..."; the reference's five by
+#              default, the profile's own first), verifying the first only; files in OUT/<name>/;
+#              with PACK set, OUT is packed after each rung (a caller polling from outside sees progress)
 # Nothing here is specific to one GPU model: the arch comes from NVML.
 set -uo pipefail
 SITE=${SITE:-/tmp/site}
 CARRY=${CARRY:-/tmp/c}
 OUT=${OUT:-.rig/gpu-session}
-FIXTURE=${FIXTURE:-fixture:qwen3.5-27b-class}
+FIXTURE=${FIXTURE-fixture:qwen3.5-27b-class}
 REAL_SETS=${REAL_SETS-ENFORCE_EAGER=1}
 REAL_OVERLAYS=${REAL_OVERLAYS-gpu24}
+PROFILE=${PROFILE:-batch}
+PROTOCOL=${PROTOCOL:-bench/cells/ladder.toml}
+LADDER=${LADDER:-"mlp:INT8_ACT=int8 INT8_LAYERS=mlp;fp16:INT8_ACT= MAMBA_SSM_DTYPE=float16;all:INT8_ACT=int8 INT8_LAYERS=.;gate_up:INT8_ACT=int8 INT8_LAYERS=gate_up;fp32:INT8_ACT= MAMBA_SSM_DTYPE=float32"}
 mkdir -p "$OUT"
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
@@ -91,28 +97,70 @@ step_fixture() {
   /usr/bin/time -f "fixture: %e s wall" "$PY" -u -m invoke model.fixture --shape "${FIXTURE#fixture:}" 2>&1 | tail -3 | tee "$OUT/fixture.log"
 }
 
-step_real() {
-  local a sets=() s log
-  a=$(arch)
-  local ovl=""; for s in $REAL_OVERLAYS; do ovl="$ovl --overlay $s"; done
-  stamp "real shape $FIXTURE on $a, overlays: $REAL_OVERLAYS, sets: $REAL_SETS"
-  for s in MODEL="$FIXTURE" SERVED_NAME=${SERVED:-fixture-qwen3.5-27b-class} GPU_ARCH="$a" $REAL_SETS; do sets+=(--set "$s"); done
-  inv patch.apply 2>&1 | tail -2  # serve refuses an unpatched vLLM
-  inv plan --profile batch $ovl "${sets[@]}" 2>&1 | tee "$OUT/real-plan.txt"
-  inv plan --profile batch $ovl "${sets[@]}" --json > "$OUT/real-plan.json" 2>/dev/null
-  local t0=$SECONDS
-  inv serve --profile batch $ovl "${sets[@]}" > "$OUT/real-serve.log" 2>&1 &
-  local pid=$!
-  until grep -q -E "rig: ready|serving at|Ctrl-C" "$OUT/real-serve.log" 2>/dev/null; do
-    kill -0 $pid 2>/dev/null || { stamp "serve exited"; tail -30 "$OUT/real-serve.log"; return 1; }
+# One configuration of the real shape: plan, serve, wait for ready, verify (VERIFY=1), bench, stop.
+# Its files land in $OUT/$1/; the rest of the arguments are KNOB=value sets on top of the base ones.
+serve_cell() {
+  local name=$1; shift
+  local d="$OUT/$name" a s sets=() ovl=() pid t0 log
+  a=$(arch); mkdir -p "$d"; log="$d/serve.log"
+  for s in $REAL_OVERLAYS; do ovl+=(--overlay "$s"); done
+  [ -n "$FIXTURE" ] && sets+=(--set MODEL="$FIXTURE" --set SERVED_NAME="${SERVED:-fixture-${FIXTURE#fixture:}}")
+  for s in GPU_ARCH="$a" $REAL_SETS "$@"; do sets+=(--set "$s"); done
+  stamp "cell $name: $FIXTURE on $a, overlays: $REAL_OVERLAYS, sets: $REAL_SETS $*"
+  inv plan --profile "$PROFILE" "${ovl[@]}" "${sets[@]}" > "$d/plan.txt" 2>&1 || { stamp "cell $name: plan refused"; tail -5 "$d/plan.txt"; return 1; }
+  inv plan --profile "$PROFILE" "${ovl[@]}" "${sets[@]}" --json > "$d/plan.json" 2>/dev/null
+  t0=$SECONDS
+  # python itself in the background, not the `inv` function: $! must be the process that stops the server
+  "$PY" -u -m invoke serve --profile "$PROFILE" "${ovl[@]}" "${sets[@]}" > "$log" 2>&1 &
+  pid=$!
+  until grep -q -E "rig: ready|serving at|Ctrl-C" "$log" 2>/dev/null; do
+    kill -0 $pid 2>/dev/null || { stamp "cell $name: serve exited"; tail -40 "$log"; return 1; }
     sleep 2
   done
-  echo "real: ready after $((SECONDS - t0)) s (serve's own timing is in real-serve.log)" | tee "$OUT/real-ready.txt"
-  inv verify --running --report-dir "$OUT" 2>&1 | tee "$OUT/real-verify.txt" | tail -30
-  inv bench --running --protocol bench/cells/ladder.toml --no-progress 2>&1 | tee "$OUT/real-bench.log" | tail -20
+  echo "$name: ready after $((SECONDS - t0)) s (serve's own timing is in serve.log)" | tee "$d/ready.txt"
+  [ "${VERIFY:-1}" = 1 ] && inv verify --running --report-dir "$d" > "$d/verify.txt" 2>&1
+  [ -f "$d/verify.txt" ] && tail -25 "$d/verify.txt"
+  inv bench --running --protocol "$PROTOCOL" --no-progress > "$d/bench.log" 2>&1
+  tail -12 "$d/bench.log"
   kill -TERM $pid; wait $pid  # SIGINT is ignored by a background job of a non-interactive shell
-  for d in logs results; do cp -r "${RIG_STATE_DIR:-.rig}/$d" "$OUT/real-$d" 2>/dev/null; done
+  stamp "cell $name: stopped ($(tail -1 "$log"))"
+  cp -r "${RIG_STATE_DIR:-.rig}/results" "$d/results" 2>/dev/null
+  cp -r "${RIG_STATE_DIR:-.rig}/logs" "$d/logs" 2>/dev/null
+  gpu_idle
+  stamp "cell $name: done"
+}
+
+# The next server sizes its pool from free memory: wait until the last one's memory is back.
+gpu_idle() {
+  command -v nvidia-smi >/dev/null || return 0
+  local i used
+  for i in $(seq 60); do
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+    [ "${used:-0}" -lt 2048 ] && return 0
+    [ "$i" = 30 ] && pkill -TERM -f "vllm serve|vllm.entrypoints" 2>/dev/null
+    sleep 2
+  done
+  stamp "GPU memory still in use: ${used} MiB"
+}
+
+step_real() {
+  inv patch.apply 2>&1 | tail -2  # serve refuses an unpatched vLLM
+  serve_cell real
   keep_triton_cache
+}
+
+# The configuration ladder: LADDER is "name:KNOB=v KNOB=v;name:..."; VERIFY runs with the first only.
+step_ladder() {
+  local rung first=1
+  inv patch.apply 2>&1 | tail -2
+  IFS=';' read -ra rungs <<< "$LADDER"
+  for rung in "${rungs[@]}"; do
+    # shellcheck disable=SC2086
+    VERIFY=$first serve_cell "${rung%%:*}" ${rung#*:}
+    first=0
+    [ -n "${PACK:-}" ] && step_pack
+  done
+  stamp "ladder done"
 }
 
 BG=()
