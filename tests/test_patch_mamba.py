@@ -13,8 +13,8 @@ from statistics import median
 
 import pytest
 
-from rig import mamba_pool_sim
-from rig.mamba_pool_sim import KNOB, Request, Sim
+from rig.capacity import mamba_pool_sim
+from rig.capacity.mamba_pool_sim import KNOB, Request, Sim
 
 CONV = list(range(100, 170))  # 70-token first prompt
 OUT1 = list(range(1000, 1040))  # 40 tokens decoded: checkpoints at 80 and 96
@@ -266,7 +266,7 @@ def test_e2e_cpu_server_more_hits_lower_ttft_same_outputs(tiny_model, tmp_path):
     docs/patches.md, "Identity"). Identity is asserted where it is defined, on each turn replayed
     alone afterwards: from scratch the two servers give the same tokens; resumed from a
     checkpoint, the same tokens and logprobs within mb.TOLERANCE as from scratch."""
-    from rig import mamba_checkpoint_bench as mb
+    from rig.bench import mamba_checkpoint as mb
 
     sc = mb.Scenario()
     off, on = mb.compare(tiny_model, sc, log_dir=tmp_path)
@@ -309,7 +309,7 @@ def test_e2e_identity_check_fails_when_the_state_resume_is_wrong(tiny_model, tmp
     (a vLLM plugin, tests/faults/) — the same replay and check as above must see it."""
     from dataclasses import replace
 
-    from rig import mamba_checkpoint_bench as mb
+    from rig.bench import mamba_checkpoint as mb
 
     sc = replace(mb.Scenario(), turns=2, turn_output=64, unrelated_per_turn=0)
     side = mb.run_side(tiny_model, sc, True, tmp_path, extra_env=_fault_plugin(tmp_path))

@@ -3,7 +3,7 @@
     .venv/bin/python bench/scripts/mamba_checkpoint_admission.py [--num-blocks N] [--requests N] [--every N]
 
 vLLM's real KVCacheManager (3 mamba "align" groups + 1 attention group, as the tiny and the real
-model), driven by rig.mamba_pool_sim's scheduler loop: independent requests arrive faster than
+model), driven by rig.capacity.mamba_pool_sim's scheduler loop: independent requests arrive faster than
 the pool drains them, so the head of the waiting queue is refused blocks again and again. A kept
 checkpoint holds a block that a waiting request could otherwise take. Seconds, no server.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rig import mamba_pool_sim as sim  # noqa: E402
+from rig.capacity import mamba_pool_sim as sim  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

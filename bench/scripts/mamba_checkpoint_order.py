@@ -4,7 +4,7 @@
         [--unrelated-per-turn N] [--sides off,on|off,off|on,on]
 
 Starts two servers one after the other (tiny hybrid model, --enforce-eager, small KV pool), runs
-the conversation of rig.mamba_checkpoint_bench on each and prints the table that
+the conversation of rig.bench.mamba_checkpoint on each and prints the table that
 docs/patches.md quotes. Needs the patch series applied (`inv patch.apply`); ~2-3 minutes on CPU.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rig import mamba_checkpoint_bench as mb  # noqa: E402
 from rig import patches  # noqa: E402
+from rig.bench import mamba_checkpoint as mb  # noqa: E402
 from rig.models.tiny import default_hybrid  # noqa: E402
 
 
