@@ -18,11 +18,27 @@ One run, one table (also written as JSON with --json PATH). For one attention la
   per iteration, --warmup then the median of --iters (>= 20). Effective bandwidth of ours = packed
   cache bytes read / time, against a measured device copy bandwidth (read + write of a 2 GiB
   tensor, same timing).
+* long decode (its own table; JSON key ``long_decode``; --decode-checkpoints, default 128, 512, 2k,
+  8k, 32k steps; --decode-prefill 1024 tokens; --decode-seqs 1): error accumulation over a
+  synthetic autoregressive decode. A state x_t gives q_t, k_t, v_t by fixed random projections,
+  shaped like the error rows' data (reference.synthetic's per-channel means and spreads, hot
+  channels, and its outlier-scale tokens); k_t, v_t are appended to the cache one token at a time
+  and o_t = attention of q_t over it; x_{t+1} = rmsnorm(0.5 W_x x_t + f W_o rmsnorm(o_t) + e_{t+1})
+  (f: --decode-feedback, 0.25; e: exogenous inputs), so a cache's error changes later tokens,
+  which are cached in turn. The same process (same seed, weights, inputs and prefilled context)
+  runs with an fp32 cache (the reference), an fp32 rerun, fp16 and fp8 e4m3 (rounded on write,
+  fp32 torch attention), ``kvarn`` and ``plain RTN`` (PagedKvarnCache, rotated or not, and its
+  decode kernels), each also as a no-feedback control (no o_t term: the states are the format's
+  and the reference's alike, so o's error is the per-step error). At each checkpoint: relative
+  error and cosine of o and of x against the fp32 process, pooled over the last --decode-window
+  (32) steps.
 
 ``--smoke``: tiny sizes on CPU through Triton's interpreter, to check the script end to end; its
-time columns are printed as "smoke" (interpreter timings are not speeds).
+time columns are printed as "smoke" (interpreter timings are not speeds). The long decode's smoke
+prefills 252 tokens (one group and a 124-token tail) and decodes 8 steps (a group is quantized at
+the 4th), checkpoints 2, 4, 8.
 
-    python bench/scripts/kvarn_bench.py [--json PATH] [--smoke] [--seed 0]
+    python bench/scripts/kvarn_bench.py [--json PATH] [--smoke] [--seed 0] [--decode-checkpoints 128,512]
 """
 
 from __future__ import annotations
@@ -247,6 +263,177 @@ def time_rows(kt, length: int, batch: int, device, warmup: int, iters: int, copy
     ]
 
 
+# ----------------------------------------------------------------------------- long synthetic decode
+
+STATE_DIM = 1024
+"""The synthetic decode's state size (the process's own, not the model's hidden size)."""
+MEMORY, FEEDBACK = 0.5, 0.25
+"""x_{t+1} = rmsnorm(MEMORY W_x x_t + FEEDBACK W_o rmsnorm(o_t) + e_{t+1}); the no-feedback control drops o_t."""
+TORCH_FORMATS = ("fp32", "fp32 (rerun)", "fp16", "fp8 e4m3")
+"""Formats kept as fp32 K/V rounded on write (fp32 is not), attended in fp32 by torch; the first is the reference."""
+PACKED_FORMATS = (("kvarn", True), ("plain RTN", False))
+"""Formats held in a PagedKvarnCache (rotated or not) and attended by its decode kernels."""
+MODES = ("feedback", "no feedback")
+
+
+def rmsnorm(x):
+    """x / RMS(x) over the last axis."""
+    return x * x.square().mean(-1, keepdim=True).add(1e-12).rsqrt()
+
+
+def attention_batched(q, k, v):
+    """fp32 softmax(q k^T / sqrt(d)) v for one query per slot: q [S, 24, d] over k, v [S, 4, L, d] (head-major).
+
+    attention_gqa's math with a cache per slot; the buffers' [:, :, :L] views go to matmul uncopied.
+    """
+    import torch
+
+    s, hq, d = q.shape
+    hkv = k.shape[1]
+    qq = q.float().view(s, hkv, hq // hkv, d)
+    logits = torch.matmul(qq, k.transpose(-1, -2)) / math.sqrt(d)
+    return torch.matmul(logits.softmax(-1), v).reshape(s, hq, d)
+
+
+def decode_process(r, prefill: int, steps: int, seqs: int, seed: int, device) -> dict:
+    """The synthetic decode's fixed parts, all drawn from ``seed`` (the same for every format).
+
+    The prefilled context is the error rows' data: the first ``prefill`` tokens of
+    ``reference.synthetic(prefill + steps, seed)``. The decode tokens take that data's shape: each
+    K/V channel's mean and spread over its ordinary tokens, and each token's outlier scale (a token
+    whose RMS is over 3x the median's keeps its RMS / median, 6-10x in reference.synthetic; others 1),
+    so a decode token at position n is k = scale_k[n] (mean_k + spread_k * z_k) with z_k from the state.
+    Weights: W_qkv [24*256 + 2*4*256, STATE_DIM], W_x, W_o (Gaussian, unit gain); x_0 [seqs, STATE_DIM]
+    and the exogenous inputs e [steps, seqs, STATE_DIM] (unit RMS), one per step and sequence.
+    """
+    import torch
+
+    _, k, v = r.synthetic(prefill + steps, seed)
+
+    def shape_of(x):
+        norms = x.flatten(1).norm(dim=1)
+        med = norms.median()
+        scale = torch.where(norms > 3 * med, norms / med, torch.ones_like(norms))
+        plain = x[scale == 1]
+        return plain.mean(0), plain.std(0), scale
+
+    g = torch.Generator().manual_seed(seed + 1)
+    qd, kd = Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    out = {"k_prefill": k[:prefill], "v_prefill": v[:prefill],
+           "w_qkv": torch.randn(qd + 2 * kd, STATE_DIM, generator=g) / math.sqrt(STATE_DIM),
+           "w_x": torch.randn(STATE_DIM, STATE_DIM, generator=g) / math.sqrt(STATE_DIM),
+           "w_o": torch.randn(STATE_DIM, qd, generator=g) / math.sqrt(qd),
+           "x0": torch.randn(seqs, STATE_DIM, generator=g),
+           "e": torch.randn(steps, seqs, STATE_DIM, generator=g)}
+    for name, x in (("k", k), ("v", v)):
+        mean, spread, scale = shape_of(x)
+        out |= {f"mean_{name}": mean, f"spread_{name}": spread, f"scale_{name}": scale}
+    return {n: t.to(device) for n, t in out.items()}
+
+
+def long_decode_rows(kt, prefill: int, checkpoints: list[int], seqs: int, window: int, seed: int, device,
+                     feedback: float = FEEDBACK, packed: tuple = PACKED_FORMATS) -> list[dict]:
+    """The synthetic autoregressive decode, run in every format side by side, against the fp32 trajectory.
+
+    Processes: (TORCH_FORMATS + ``packed``) x MODES x ``seqs`` sequences, each with its own cache (torch formats:
+    slots of one fp32 buffer; packed formats: slots of a PagedKvarnCache each), all starting from the
+    same prefilled context and x_0. Step t: (q, k, v) from x_t; k, v appended to the cache; o_t =
+    attention of q over the whole cache (prefill + t + 1 tokens); x_{t+1} from x_t, o_t (feedback only)
+    and e_{t+1}. At each checkpoint c: relative error and cosine of o and of the state x against the
+    fp32 process of the same mode and sequence, pooled over the last min(window, c) steps and all
+    sequences. The no-feedback control's states are the same in every format by construction.
+    """
+    import torch
+
+    r = kt.reference
+    steps = max(checkpoints)
+    p = decode_process(r, prefill, steps, seqs, seed, device)
+    formats = TORCH_FORMATS + tuple(f for f, _ in packed)
+    nf, nt, slots = len(formats), len(TORCH_FORMATS), len(MODES) * seqs
+    length = prefill + steps
+    qd, kd = Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    kv_shape = (nt * slots, KV_HEADS, length, HEAD_DIM)
+    kbuf = torch.zeros(kv_shape, device=device)
+    vbuf = torch.zeros(kv_shape, device=device)
+    kbuf[:, :, :prefill] = p["k_prefill"].transpose(0, 1).float()
+    vbuf[:, :, :prefill] = p["v_prefill"].transpose(0, 1).float()
+    for i, fmt in enumerate(TORCH_FORMATS):
+        dt = {"fp16": torch.float16, "fp8 e4m3": torch.float8_e4m3fn}.get(fmt)
+        if dt is not None:
+            for buf in (kbuf, vbuf):
+                part = buf[i * slots:(i + 1) * slots, :, :prefill]
+                part.copy_(part.to(dt).float())
+    groups = -(-length // GROUP)
+    caches = []
+    for _, rotated in packed:
+        cache = kt.PagedKvarnCache(slots * groups, slots, groups, device=device, rotated=rotated)
+        for s in range(slots):
+            cache.append(s, p["k_prefill"], p["v_prefill"])
+        caches.append(cache)
+    x = p["x0"].expand(nf, len(MODES), seqs, STATE_DIM).contiguous()  # [format, mode, seq, state]
+    keep = {c: min(window, c) for c in checkpoints}
+    outs, states, rows = [], [], []
+    for t in range(steps):
+        n = prefill + t  # the new token's position
+        z = x.view(-1, STATE_DIM) @ p["w_qkv"].T
+        q = z[:, :qd].reshape(nf, slots, Q_HEADS, HEAD_DIM)
+        k = p["scale_k"][n] * (p["mean_k"] + p["spread_k"] * z[:, qd:qd + kd].view(nf, slots, KV_HEADS, HEAD_DIM))
+        v = p["scale_v"][n] * (p["mean_v"] + p["spread_v"] * z[:, qd + kd:].view(nf, slots, KV_HEADS, HEAD_DIM))
+        kw, vw = k[:nt].clone(), v[:nt].clone()
+        for i, fmt in enumerate(TORCH_FORMATS):
+            dt = {"fp16": torch.float16, "fp8 e4m3": torch.float8_e4m3fn}.get(fmt)
+            if dt is not None:
+                kw[i], vw[i] = kw[i].to(dt).float(), vw[i].to(dt).float()
+        kbuf[:, :, n] = kw.view(nt * slots, KV_HEADS, HEAD_DIM)
+        vbuf[:, :, n] = vw.view(nt * slots, KV_HEADS, HEAD_DIM)
+        o = torch.empty(nf, slots, Q_HEADS, HEAD_DIM, device=device)
+        o[:nt] = attention_batched(q[:nt].reshape(-1, Q_HEADS, HEAD_DIM), kbuf[:, :, :n + 1],
+                                   vbuf[:, :, :n + 1]).view(nt, slots, Q_HEADS, HEAD_DIM)
+        for i, cache in enumerate(caches):
+            f = nt + i
+            for s in range(slots):
+                cache.append(s, k[f, s:s + 1], v[f, s:s + 1])
+            cache.decode(q[f].contiguous(), out=o[f])
+        mix = MEMORY * (x @ p["w_x"].T) + p["e"][t]
+        mix[:, 0] += feedback * (rmsnorm(o[:, :seqs].reshape(nf, seqs, qd)) @ p["w_o"].T)
+        x = rmsnorm(mix)
+        c = t + 1
+        if any(0 <= cp - c < w for cp, w in keep.items()):
+            outs.append((c, o.view(nf, len(MODES), seqs, qd).clone()))
+            states.append((c, x.clone()))
+        if c in keep:
+            lo = c - keep[c]
+            o_win = torch.stack([a for i, a in outs if i > lo], 1)  # [format, steps, mode, seq, ...]
+            x_win = torch.stack([a for i, a in states if i > lo], 1)
+            for f, fmt in enumerate(formats[1:], 1):
+                for m, mode in enumerate(MODES):
+                    o_rel, o_cos = r.errors(o_win[0, :, m].cpu(), o_win[f, :, m].cpu())
+                    x_rel, x_cos = r.errors(x_win[0, :, m].cpu(), x_win[f, :, m].cpu())
+                    rows.append({"decode_steps": c, "tokens": prefill + c, "format": fmt, "mode": mode,
+                                 "window_steps": keep[c], "sequences": seqs, "out_rel_error": o_rel,
+                                 "out_cosine": o_cos, "state_rel_error": x_rel, "state_cosine": x_cos})
+            outs = [(i, a) for i, a in outs if any(0 <= cp - i < w for cp, w in keep.items() if cp > c)]
+            states = [(i, a) for i, a in states if any(0 <= cp - i < w for cp, w in keep.items() if cp > c)]
+    return rows
+
+
+def decode_table(rows: list[dict]) -> str:
+    """The long decode's table: per checkpoint and format, o and x against fp32 with feedback, then without."""
+    by = {(r["decode_steps"], r["format"], r["mode"]): r for r in rows}
+    lines = ["| decode steps | tokens | format | out rel. error | out cosine | state rel. error | state cosine "
+             "| no feedback: out rel. error | out cosine | state rel. error |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in sorted({r["decode_steps"] for r in rows}):
+        for fmt in dict.fromkeys(r["format"] for r in rows):
+            fb, ctl = by.get((c, fmt, "feedback")), by.get((c, fmt, "no feedback"))
+            if fb is None or ctl is None:
+                continue
+            lines.append(f"| {c:,} | {fb['tokens']:,} | {fmt} | {fb['out_rel_error']:.4f} | {fb['out_cosine']:.4f} | "
+                         f"{fb['state_rel_error']:.4f} | {fb['state_cosine']:.4f} | {ctl['out_rel_error']:.4f} | "
+                         f"{ctl['out_cosine']:.4f} | {ctl['state_rel_error']:.4f} |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict], smoke: bool) -> str:
     """The one markdown table: error columns for error rows, time columns for time rows ('-' where not measured)."""
     def f(row, key, fmt):
@@ -291,16 +478,30 @@ def main() -> int:
                     help="decode kernel: tokens per inner tile (16 ... 128); 0 = the variant's default")
     ap.add_argument("--num-warps", type=int, default=0, help="decode kernel: warps per program; 0 = the variant's")
     ap.add_argument("--variant", default="v2", help="decode split kernel: v2 (default) or v1 (kvarn_decode_sweep.py)")
+    ap.add_argument("--decode-checkpoints", default="128,512,2048,8192,32768",
+                    help="long decode: steps at which to report (the last is the number of steps); '' skips it")
+    ap.add_argument("--decode-prefill", type=int, default=1024, help="long decode: prefilled context tokens")
+    ap.add_argument("--decode-seqs", type=int, default=1, help="long decode: sequences per mode (feedback, control)")
+    ap.add_argument("--decode-window", type=int, default=32, help="long decode: steps pooled up to each checkpoint")
+    ap.add_argument("--decode-feedback", type=float, default=FEEDBACK,
+                    help="long decode: the weight of rmsnorm(o) in the next state (0 makes both modes the control)")
     ap.add_argument("--json", default="", help="also write the rows and the run's facts here")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in Triton's interpreter (no speeds)")
     a = ap.parse_args()
     if a.smoke:
         a.lengths, a.time_lengths, a.batch, a.iters, a.warmup = "256,384", "256", 2, 2, 1
+        # 124 tokens in the tail: the 4th decode step fills it and a group is quantized mid-decode
+        a.decode_checkpoints, a.decode_prefill, a.decode_seqs = "2,4,8", 2 * GROUP - 4, 1
     lengths = [int(x) for x in a.lengths.split(",") if x]
     time_lengths = [int(x) for x in a.time_lengths.split(",") if x]
+    checkpoints = sorted({int(x) for x in a.decode_checkpoints.split(",") if x})
     bad = [n for n in lengths + time_lengths if n <= 0 or n % GROUP]
     if bad:
         print(f"lengths {bad} are not positive multiples of {GROUP}", file=sys.stderr)
+        return 2
+    if any(c <= 0 for c in checkpoints) or min(a.decode_prefill, a.decode_seqs, a.decode_window) <= 0:
+        print("--decode-checkpoints, --decode-prefill, --decode-seqs and --decode-window must be positive",
+              file=sys.stderr)
         return 2
     kt = load_kernels(a.smoke)
     if a.variant not in kt.DECODE_DEFAULTS:
@@ -326,6 +527,12 @@ def main() -> int:
     for length in time_lengths:
         rows += time_rows(kt, length, a.batch, device, a.warmup, a.iters, copy_bps,
                           {"block_t": a.block_t, "num_warps": a.num_warps, "variant": a.variant})
+    decode_rows, decode_s = [], 0.0
+    if checkpoints:
+        t0 = time.perf_counter()
+        decode_rows = long_decode_rows(kt, a.decode_prefill, checkpoints, a.decode_seqs, a.decode_window, a.seed,
+                                       device, a.decode_feedback)
+        decode_s = time.perf_counter() - t0
     import triton
 
     print(f"KVarN kernels, {name}, torch {torch.__version__}, triton {triton.__version__}, seed {a.seed}; "
@@ -341,12 +548,25 @@ def main() -> int:
     if not a.smoke:
         print()
         print(goals(rows, a.batch))
+    if decode_rows:
+        print()
+        print(f"long decode: {a.decode_seqs} sequence(s) a mode, {a.decode_prefill:,} prefilled tokens "
+              f"(reference.synthetic), {checkpoints[-1]:,} steps one token at a time, in {decode_s:,.1f} s; "
+              f"x' = rmsnorm({MEMORY} W_x x + {a.decode_feedback} W_o rmsnorm(o) + e), state {STATE_DIM}, no o term "
+              f"without feedback; o and x against the fp32 process, pooled over the last "
+              f"min({a.decode_window}, steps) steps")
+        print()
+        print(decode_table(decode_rows))
     if a.json:
         facts = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "seed": a.seed,
                  "smoke": a.smoke, "batch": a.batch, "variant": a.variant, "block_t": a.block_t,
                  "num_warps": a.num_warps, "iters": a.iters, "warmup": a.warmup,
-                 "copy_Bps": copy_bps, "turboquant": {n: (w if isinstance(w, str) else "ran") for n, w in tq.items()}}
-        Path(a.json).write_text(json.dumps({"facts": facts, "rows": rows}, indent=1) + "\n")
+                 "copy_Bps": copy_bps, "turboquant": {n: (w if isinstance(w, str) else "ran") for n, w in tq.items()},
+                 "long_decode": {"checkpoints": checkpoints, "prefill": a.decode_prefill, "seqs": a.decode_seqs,
+                                 "window": a.decode_window, "state_dim": STATE_DIM, "memory": MEMORY,
+                                 "feedback": a.decode_feedback, "seconds": decode_s}}
+        Path(a.json).write_text(json.dumps({"facts": facts, "rows": rows, "long_decode": decode_rows}, indent=1)
+                                + "\n")
         print(f"\nwrote {a.json}")
     return 0
 
