@@ -357,8 +357,9 @@ def long_decode_rows(kt, prefill: int, checkpoints: list[int], seqs: int, window
     vbuf = torch.zeros(kv_shape, device=device)
     kbuf[:, :, :prefill] = p["k_prefill"].transpose(0, 1).float()
     vbuf[:, :, :prefill] = p["v_prefill"].transpose(0, 1).float()
-    for i, fmt in enumerate(TORCH_FORMATS):
-        dt = {"fp16": torch.float16, "fp8 e4m3": torch.float8_e4m3fn}.get(fmt)
+    # the dtype each torch format rounds to on write (None: kept in fp32)
+    rounded = [{"fp16": torch.float16, "fp8 e4m3": torch.float8_e4m3fn}.get(f) for f in TORCH_FORMATS]
+    for i, dt in enumerate(rounded):
         if dt is not None:
             for buf in (kbuf, vbuf):
                 part = buf[i * slots:(i + 1) * slots, :, :prefill]
@@ -380,8 +381,7 @@ def long_decode_rows(kt, prefill: int, checkpoints: list[int], seqs: int, window
         k = p["scale_k"][n] * (p["mean_k"] + p["spread_k"] * z[:, qd:qd + kd].view(nf, slots, KV_HEADS, HEAD_DIM))
         v = p["scale_v"][n] * (p["mean_v"] + p["spread_v"] * z[:, qd + kd:].view(nf, slots, KV_HEADS, HEAD_DIM))
         kw, vw = k[:nt].clone(), v[:nt].clone()
-        for i, fmt in enumerate(TORCH_FORMATS):
-            dt = {"fp16": torch.float16, "fp8 e4m3": torch.float8_e4m3fn}.get(fmt)
+        for i, dt in enumerate(rounded):
             if dt is not None:
                 kw[i], vw[i] = kw[i].to(dt).float(), vw[i].to(dt).float()
         kbuf[:, :, n] = kw.view(nt * slots, KV_HEADS, HEAD_DIM)
