@@ -103,6 +103,7 @@ serve_cell() {
   local name=$1; shift
   local d="$OUT/$name" a s sets=() ovl=() pid t0 log
   a=$(arch); mkdir -p "$d"; log="$d/serve.log"
+  local dabs; dabs=$(cd "$d" && pwd); touch "$dabs/.start"  # this cell's files are the ones newer than this
   for s in $REAL_OVERLAYS; do ovl+=(--overlay "$s"); done
   [ -n "$FIXTURE" ] && sets+=(--set MODEL="$FIXTURE" --set SERVED_NAME="${SERVED:-fixture-${FIXTURE#fixture:}}")
   for s in GPU_ARCH="$a" $REAL_SETS "$@"; do sets+=(--set "$s"); done
@@ -124,8 +125,9 @@ serve_cell() {
   tail -12 "$d/bench.log"
   kill -TERM $pid; wait $pid  # SIGINT is ignored by a background job of a non-interactive shell
   stamp "cell $name: stopped ($(tail -1 "$log"))"
-  cp -r "${RIG_STATE_DIR:-.rig}/results" "$d/results" 2>/dev/null
-  cp -r "${RIG_STATE_DIR:-.rig}/logs" "$d/logs" 2>/dev/null
+  # this cell's results and logs only: earlier rungs' files are already in their own folders
+  (cd "${RIG_STATE_DIR:-.rig}" && find results logs -type f -newer "$dabs/.start" -print0 2>/dev/null \
+     | xargs -0r cp --parents -t "$dabs")
   gpu_idle
   stamp "cell $name: done"
 }
