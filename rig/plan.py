@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -350,6 +351,26 @@ def needs(k: Knobs) -> tuple[dict[str, str], list[str], list[str]]:
     return env, sorted(patches), kernels
 
 
+def platform_needs(platform: str, model: str) -> tuple[dict[str, str], list[str]]:
+    """(env, patches) the platform implies for this model, beyond what the knobs do.
+
+    On CPU a quantized checkpoint (a ``quantization_config`` in its config.json) runs vLLM's CPU W4A16
+    linear kernel, and beside it vLLM's AMX attention kernel killed the worker with SIGILL on an AMX
+    host (patch cpu-attn-amx-off, docs/patches.md): such a model gets the vector attention kernel. It is
+    set on every CPU host, AMX or not, so that a plan never depends on the host's ISA.
+    """
+    if platform != "cpu":
+        return {}, []
+    cfg = Path(model) / "config.json"
+    try:
+        quantized = cfg.is_file() and "quantization_config" in json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        quantized = False  # an unreadable config is vLLM's to report when it loads the model
+    if not quantized:
+        return {}, []
+    return {"VLLM_RIG_CPU_ATTN_AMX": "0"}, ["cpu-attn-amx-off"]
+
+
 def resolve(profile: str, overlays: Sequence[str] = (), platform: str | None = None,
             environ: Mapping[str, str] | None = None, sets: Mapping[str, str] | None = None) -> Plan:
     """The plan for these inputs; PlanError (listing every problem) when they are invalid."""
@@ -372,6 +393,9 @@ def resolve(profile: str, overlays: Sequence[str] = (), platform: str | None = N
         sources[name] = "rule"
     model = model_path(knobs.MODEL)
     env, patches, kernels = needs(knobs)
+    host_env, host_patches = platform_needs(platform, model)
+    env.update(host_env)
+    patches = sorted(patches + host_patches)
     return Plan(
         profile=profile, overlays=applied, platform=platform,
         knobs=knobs.model_dump(), sources=dict(sorted(sources.items())),

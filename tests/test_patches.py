@@ -265,6 +265,7 @@ COMPILE_FACTORS = {
     "VLLM_TOOL_CHOICE_SHARED_ENGINE": ("1", False),  # the API server's request parser only
     "VLLM_RIG_PREFILL_ATTN": ("int8", False),  # inside the attention op, which compiled graphs call opaquely
     "VLLM_RIG_KERNELS_DIR": ("/opt/rig/kernels", False),
+    "VLLM_RIG_CPU_ATTN_AMX": ("0", True),  # which attention kernel the CPU backend builds into what it runs
 }
 NOT_A_FACTOR = re.compile(r"(?:is not a|[Nn]either knob is a) compile factor")
 
