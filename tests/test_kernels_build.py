@@ -10,7 +10,8 @@ compile works on a host without a GPU (toy kernels in a temp folder) and a cubin
 RTX 3090's shared memory is refused; kernel.toml errors name the file and the key.
 
 GPU (marked ``gpu``): the CUDA pre-pass (smooth_quant.cu through rig.kernels.cubin) equals the torch
-spec ``reference.smooth_quant`` bit for bit on ragged batches, bf16 and fp16, head_dim 64/128/256.
+spec ``reference.smooth_quant`` bit for bit on ragged batches, bf16 and fp16, head_dim 64/128/256
+(quant's 16-byte path) and 72/100/512 (its general path).
 """
 
 from __future__ import annotations
@@ -590,8 +591,11 @@ def _fatbin_for_gpu(tmp_path: Path, arch: str) -> Path:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
-@pytest.mark.parametrize("heads, dim", [((24, 4), 256), ((8, 4), 256), ((4, 2), 128), ((2, 1), 64)])
+@pytest.mark.parametrize("heads, dim", [((24, 4), 256), ((8, 4), 256), ((4, 2), 128), ((2, 1), 64),
+                                        ((3, 1), 72), ((2, 1), 100), ((2, 1), 512)])
 def test_the_cuda_prepass_equals_the_torch_spec_bit_for_bit(tmp_path, dtype_name, heads, dim):
+    """head_dim 64..256 take quant's 16-byte path; 72 (9 lanes in 96 threads), 100 (not whole lanes) and
+    512 (a block of 64 does not fit its registers) take the general one."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
