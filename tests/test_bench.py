@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from invoke import Context, Exit
 
-from rig.bench import compare, metrics, protocols
+from rig.bench import compare, metrics, protocols, report
 from rig.bench.client import SSEParser, _delta_has_token
 from rig.bench.protocols import BenchError, RandomCell, Scale
 from rig.bench.results import CellResult, PassResult, RunDir, RunResult, spread
@@ -122,6 +122,38 @@ def test_steady_state_counts_only_full_quiet_decoding_intervals():
     assert ss.intervals == 2 and ss.window_s == pytest.approx(2.0)
     none = metrics.steady_state(_samples(rows), target=8)
     assert none.decode_tok_per_s is None and "no steady window" in none.reason
+
+
+def test_a_seat_capped_server_gets_its_own_figure_never_the_targets():
+    """The H100 run of 2026-12-05: 64 sent, 57 seats, 7 waiting the whole wave. Decode at 57 is
+    reported as such; the figure at 64 stays empty, and a run that reaches 64 is not called capped."""
+    rows = [  # t, gen, prompt, success, running, waiting
+        (0.0, 0, 0, 0, 0, 64),
+        (1.0, 57, 7296, 0, 57, 7),     # prefill of the first 57
+        (2.0, 627, 7296, 0, 57, 7),    # capped decode: 570 tokens / 1 s
+        (3.0, 1197, 7296, 0, 57, 7),
+        (4.0, 1767, 7296, 0, 57, 7),
+        (5.0, 1800, 8192, 57, 7, 0),   # the tail wave's prefill
+        (6.0, 1870, 8192, 57, 7, 0),   # 7 decoding, none waiting: not the target either
+    ]
+    ss = metrics.steady_state(_samples(rows), target=64)
+    assert ss.decode_tok_per_s == pytest.approx(570.0) and ss.running == 57 and not ss.at_target
+    assert "at most 57 of 64" in ss.reason
+    full = metrics.steady_state(_samples([(0.0, 0, 0, 0, 57, 0), (1.0, 570, 0, 0, 57, 0)]), target=57)
+    assert full.at_target and full.reason is None
+    none = metrics.steady_state(_samples(rows), target=64, min_window_s=5.0)  # the capped window is 3 s
+    assert none.decode_tok_per_s is None and "no steady window" in none.reason
+
+    cell = CellResult(label="128/512, 64 concurrent", params={"input_len": 128})
+    cell.passes = [PassResult(seed=1, warmup=False, ok=True, figures={
+        "steady_decode_tok_per_s": None, "steady_decode_capped_tok_per_s": ss.decode_tok_per_s,
+        "steady_running": 57, "output_tok_per_s": 231.0})]
+    cell.summarize()
+    run = RunResult(protocol="ladder-64", protocol_kind="throughput", protocol_def={}, profile="batch", plan={},
+                    knobs={}, fingerprint={}, scale={}, repeat=1, started_utc="2026-12-05T16:18:06+00:00",
+                    cells=[cell])
+    text = report.table(run)
+    assert "— (~570 at 57 running†)" in text and "†Seat-capped" in text
 
 
 def test_metrics_parser_sums_labelled_series():

@@ -8,6 +8,9 @@ log) and an interval between two consecutive samples counts as steady when, at b
 between neither ``vllm:prompt_tokens_total`` nor ``vllm:request_success_total`` moved (no
 prefill finished, no request left or joined) while ``vllm:generation_tokens_total`` did (the
 gauges are only refreshed by an engine step, so an idle engine can leave a stale "running").
+A server whose KV pool holds fewer seats than the target never gets there: it runs R < target and
+queues the rest. Its decode at R (the same quiet intervals, requests waiting) is reported as such,
+never as the figure at the target: a reference's "64 concurrent" is not a measurement at 57.
 
 Speculative decoding: tokens per step = (drafts + accepted) / drafts from the
 ``vllm:spec_decode_*`` counters over the whole run. The server's own view of a pass — its TPOT and
@@ -78,29 +81,52 @@ class SteadyState:
     intervals: int
     target_running: int
     reason: str | None = None
+    # the requests decoding in the window: target_running, or fewer when the server's seats capped it
+    running: int | None = None
+
+    @property
+    def at_target(self) -> bool:
+        return self.decode_tok_per_s is not None and self.running == self.target_running
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def steady_state(samples: list[Sample], target: int, min_window_s: float = 0.5) -> SteadyState:
-    """Δ generated tokens / Δt over the intervals where ``target`` requests decode and nothing else."""
+def _window(samples: list[Sample], running: int, waiting: bool) -> tuple[float, float, int]:
+    """Generated tokens, seconds and intervals where ``running`` requests decode and nothing else
+    happens; ``waiting``: requests queue at both ends (a seat-capped server) rather than none."""
     gen = dt = 0.0
     n = 0
     for a, b in zip(samples, samples[1:], strict=False):
         va, vb = a.values, b.values
-        flat = all(v.get("running") == target and not v.get("waiting") for v in (va, vb))
+        flat = all(v.get("running") == running and bool(v.get("waiting")) == waiting for v in (va, vb))
         quiet = all(vb.get(k, 0) == va.get(k, 0) for k in ("prompt", "success"))
         moving = vb.get("gen", 0) > va.get("gen", 0)  # a flat counter under running > 0: a stale gauge, idle engine
         if flat and quiet and moving and b.t > a.t:
             gen += vb.get("gen", 0) - va.get("gen", 0)
             dt += b.t - a.t
             n += 1
-    if dt < min_window_s or gen <= 0:
-        return SteadyState(None, dt, n, target,
-                           reason=f"no steady window of >= {min_window_s} s with {target} requests decoding "
-                                  f"and no prefill (found {dt:.2f} s over {n} intervals)")
-    return SteadyState(gen / dt, dt, n, target)
+    return gen, dt, n
+
+
+def steady_state(samples: list[Sample], target: int, min_window_s: float = 0.5) -> SteadyState:
+    """Δ generated tokens / Δt over the intervals where ``target`` requests decode and nothing else;
+    failing that, where the server decoded fewer with the rest queued (``running`` says how many)."""
+    gen, dt, n = _window(samples, target, waiting=False)
+    if dt >= min_window_s and gen > 0:
+        return SteadyState(gen / dt, dt, n, target, running=target)
+    found = (f"found {dt:.2f} s over {n} intervals")
+    capped = sorted({int(s.values.get("running") or 0) for s in samples if s.values.get("waiting")} - {0})
+    best = max(((r, *_window(samples, r, waiting=True)) for r in capped if r < target),
+               key=lambda w: w[2], default=None)
+    if best is not None and best[2] >= min_window_s and best[1] > 0:
+        r, g, d, k = best
+        return SteadyState(g / d, d, k, target, running=r,
+                           reason=f"the server ran at most {r} of {target} at once (the rest waited for a seat in its "
+                                  f"KV pool; {found} at {target}): this is decode at {r}, not at {target}")
+    return SteadyState(None, dt, n, target,
+                       reason=f"no steady window of >= {min_window_s} s with {target} requests decoding "
+                              f"and no prefill ({found})")
 
 
 @dataclass

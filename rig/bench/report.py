@@ -92,6 +92,20 @@ def _ref(cell: CellResult) -> dict[str, Any]:
     return cell.params.get("ref") or cell.params
 
 
+def _capped(cell: CellResult) -> bool:
+    return cell.summary.get("steady_decode_tok_per_s") is None and cell.summary.get(
+        "steady_decode_capped_tok_per_s") is not None
+
+
+def _steady(cell: CellResult) -> str:
+    """The steady-state decode column: the figure at the cell's concurrency, else the seat-capped one, marked."""
+    if not _capped(cell):
+        return fmt(cell, "steady_decode_tok_per_s", prefix="~")
+    running = cell.summary.get("steady_running")
+    at = f" at {running.median:.0f} running" if running is not None else ""
+    return f"— (~{fmt(cell, 'steady_decode_capped_tok_per_s')}{at}†)"
+
+
 def table(r: RunResult) -> str:
     """The markdown table(s) of one run, shaped like the reference's."""
     kind = r.protocol_kind
@@ -99,10 +113,13 @@ def table(r: RunResult) -> str:
     if kind == "throughput":
         lines = ["| workload | steady-state decode | output tok/s (e2e) | median TPOT | median TTFT |",
                  "|---|---|---|---|---|"]
-        lines += [f"| {c.label} | {fmt(c, 'steady_decode_tok_per_s', prefix='~')} | {fmt(c, 'output_tok_per_s')} "
+        lines += [f"| {c.label} | {_steady(c)} | {fmt(c, 'output_tok_per_s')} "
                   f"| {fmt_ms(c, 'median_tpot_ms')} | {fmt_ms(c, 'median_ttft_ms', _queue(c))} |" for c in r.cells]
         if any(_queue(c) for c in r.cells):
             lines += ["", "*TTFT at saturation is queue time — the bench fires all requests at once."]
+        if any(_capped(c) for c in r.cells):
+            lines += ["", "†Seat-capped: the server held fewer requests at once than the cell's concurrency (its KV "
+                          "pool's seats); the figure is its decode at that count, not at the cell's."]
     elif kind == "prefill":
         lines = _prefill_table(r)
     elif kind == "raw":

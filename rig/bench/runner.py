@@ -346,7 +346,15 @@ class Run:
                 target = min(c.concurrency, int(t.plan.knobs.get("MAX_SEQS", c.concurrency)), c.num_prompts)
                 ss = metrics.steady_state(sampler.samples, target)
                 p.steady_state = ss.to_json()
-                p.figures["steady_decode_tok_per_s"] = ss.decode_tok_per_s
+                p.figures["steady_decode_tok_per_s"] = ss.decode_tok_per_s if ss.at_target else None
+                if ss.decode_tok_per_s is not None and not ss.at_target:  # seat-capped: a figure of its own
+                    p.figures["steady_decode_capped_tok_per_s"] = ss.decode_tok_per_s
+                    p.figures["steady_running"] = ss.running
+                    note = (f"steady-state decode is not at {target}: the server held at most {ss.running} requests "
+                            f"at once (the rest waited for KV seats); its decode at {ss.running} is the "
+                            "steady_decode_capped figure")
+                    if note not in cell.flags:
+                        cell.flags.append(note)
         self._record(cell, p, rows, t)
 
     def _counters(self, p: PassResult, sampler: metrics.Sampler, t: Target, cell: CellResult) -> None:
