@@ -23,16 +23,19 @@
 #   ladder     the same for each rung of LADDER ("name:KNOB=v ...;name:..."; the reference's five by
 #              default, the profile's own first), verifying the first only; files in OUT/<name>/;
 #              with PACK set, OUT is packed after each rung (a caller polling from outside sees progress)
+# real and ladder on any card but POOL_OF (default rtx3090; empty: off) pin KV_MEM to POOL_OF's planned
+# pool, so the seats are that card's: GPU_MEM alone leaves this card's runtime overhead in the pool.
 # Nothing here is specific to one GPU model: the arch comes from NVML.
 set -uo pipefail
 SITE=${SITE:-/tmp/site}
 CARRY=${CARRY:-/tmp/c}
 OUT=${OUT:-.rig/gpu-session}
 FIXTURE=${FIXTURE-fixture:qwen3.5-27b-class}
-REAL_SETS=${REAL_SETS-ENFORCE_EAGER=1}
+REAL_SETS=${REAL_SETS-}  # the profile's own compile mode: eager decode of the real shape is step-bound (docs/gpu.md)
 REAL_OVERLAYS=${REAL_OVERLAYS-gpu24}
 PROFILE=${PROFILE:-batch}
 PROTOCOL=${PROTOCOL:-bench/cells/ladder.toml}
+POOL_OF=${POOL_OF-rtx3090}
 LADDER=${LADDER:-"mlp:INT8_ACT=int8 INT8_LAYERS=mlp;fp16:INT8_ACT= MAMBA_SSM_DTYPE=float16;all:INT8_ACT=int8 INT8_LAYERS=.;gate_up:INT8_ACT=int8 INT8_LAYERS=gate_up;fp32:INT8_ACT= MAMBA_SSM_DTYPE=float32"}
 mkdir -p "$OUT"
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -97,6 +100,19 @@ step_fixture() {
   /usr/bin/time -f "fixture: %e s wall" "$PY" -u -m invoke model.fixture --shape "${FIXTURE#fixture:}" 2>&1 | tail -3 | tee "$OUT/fixture.log"
 }
 
+# KV_MEM of POOL_OF's plan for these plan arguments when this GPU is not POOL_OF; nothing otherwise.
+# GPU_UTIL x GPU_MEM leaves this card's runtime overhead in the pool, so other seats than POOL_OF's
+# (2026-12-05, H100 as 24 GiB: 179,842 tokens and 57 seats, not the 3090 plan's 223,821 and 71).
+pool_pin() {
+  { [ -n "$POOL_OF" ] && command -v nvidia-smi >/dev/null; } || return 0
+  local want here
+  want=$(inv plan --gpu "$POOL_OF" --json 2>/dev/null | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["card"]["name"])') \
+    || return 0
+  here=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  [ "$here" = "$want" ] && return 0
+  inv plan --gpu "$POOL_OF" "$@" --json 2>/dev/null | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["budget"]["kv_mem_exact"])'
+}
+
 # One configuration of the real shape: plan, serve, wait for ready, verify (VERIFY=1), bench, stop.
 # Its files land in $OUT/$1/; the rest of the arguments are KNOB=value sets on top of the base ones.
 serve_cell() {
@@ -107,6 +123,8 @@ serve_cell() {
   for s in $REAL_OVERLAYS; do ovl+=(--overlay "$s"); done
   [ -n "$FIXTURE" ] && sets+=(--set MODEL="$FIXTURE" --set SERVED_NAME="${SERVED:-fixture-${FIXTURE#fixture:}}")
   for s in GPU_ARCH="$a" $REAL_SETS "$@"; do sets+=(--set "$s"); done
+  local kv; kv=$(pool_pin --profile "$PROFILE" "${ovl[@]}" "${sets[@]}")
+  [ -n "$kv" ] && sets+=(--set KV_MEM="$kv") && echo "$name: KV_MEM=$kv, the $POOL_OF plan's pool" | tee "$d/pool-of.txt"
   stamp "cell $name: $FIXTURE on $a, overlays: $REAL_OVERLAYS, sets: $REAL_SETS $*"
   inv plan --profile "$PROFILE" "${ovl[@]}" "${sets[@]}" > "$d/plan.txt" 2>&1 || { stamp "cell $name: plan refused"; tail -5 "$d/plan.txt"; return 1; }
   inv plan --profile "$PROFILE" "${ovl[@]}" "${sets[@]}" --json > "$d/plan.json" 2>/dev/null
