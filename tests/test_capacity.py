@@ -318,6 +318,33 @@ def test_tiny_pool_on_cuda_is_what_the_h200_server_reported():
     assert pool.reported_tokens == record["kv_pool_tokens"] == 2_077_843
 
 
+@pytest.mark.parametrize("rung", ["mlp", "fp16"])
+def test_seats_of_the_real_shape_are_what_the_h100_engine_ran(rung):
+    """The H100 run of 2026-12-05 (the real shape under gpu24, 64 requests of 128/512 sent at once):
+    vLLM logged its pool and ran at most R of the 64. The planner's seat rule, given the block count
+    behind that pool (vLLM's own grouping, on CPU), says R too: the pool was mispredicted, the seats
+    were not (docs/gpu.md, "The real shape served")."""
+    import re
+
+    run = paths.DOCS / "gpu-runs" / "2026-12-05-h100" / rung
+    log = (run / "serve.log").read_text()
+    knobs = json.loads((run / "plan.json").read_text())["knobs"]
+    tokens = int(re.search(r"GPU KV cache size: ([\d,]+) tokens", log)[1].replace(",", ""))
+    running = max(int(n) for n in re.findall(r"Running: (\d+) reqs", log))
+    cell = 128 + 512
+
+    def at(blocks: int) -> pages.Pool:
+        return pages.pool(shape.real_shape(), knobs["KV"], knobs["MAMBA_SSM_DTYPE"], blocks * block_bytes + 1,
+                          knobs["MAX_LEN"])
+
+    first = pages.pool(shape.real_shape(), knobs["KV"], knobs["MAMBA_SSM_DTYPE"], 1 << 33, knobs["MAX_LEN"])
+    block_bytes = first.page_bytes * first.layers_per_group
+    guess = tokens * first.blocks // first.reported_tokens
+    match = [p for p in map(at, range(guess - 2, guess + 3)) if p.reported_tokens == tokens]
+    assert match, f"no block count near {guess} gives vLLM's {tokens:,} tokens"
+    assert running < 64 and match[0].seats(cell) == running
+
+
 def test_a_dense_model_plans_with_no_gdn_state(tmp_path):
     """The quality battery's dense control (Qwen3ForCausalLM: no layer_types, no GDN dims) goes through
     serve's preflight too: every layer is attention, no state, vLLM's plain block size."""
@@ -398,6 +425,8 @@ def test_a_busy_card_is_refused_with_the_gpu_util_that_fits():
 def test_nvml_names_find_the_tables_rates():
     c = cards.from_device("NVIDIA GeForce RTX 3090", 25_769_803_776, 25_000_000_000)
     assert (c.key, c.bandwidth_gbs, c.int8_tops, c.free_bytes) == ("rtx3090", 936, 284, 25_000_000_000)
+    h100 = cards.from_device("NVIDIA H100 80GB HBM3", 85_520_809_984, 85_000_000_000)  # docs/gpu-runs/2026-12-05-h100
+    assert (h100.key, h100.bandwidth_gbs, h100.fp16_tflops) == ("h100", 3350, 989.5)
     unknown = cards.from_device("NVIDIA Z9000", 10**10, 10**10)
     assert unknown.key == "nvml" and unknown.bandwidth_gbs is None
 
