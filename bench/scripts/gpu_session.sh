@@ -105,11 +105,11 @@ step_fixture() {
 # (2026-12-05, H100 as 24 GiB: 179,842 tokens and 57 seats, not the 3090 plan's 223,821 and 71).
 pool_pin() {
   { [ -n "$POOL_OF" ] && command -v nvidia-smi >/dev/null; } || return 0
-  local want here
-  want=$(inv plan --gpu "$POOL_OF" --json 2>/dev/null | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["card"]["name"])') \
-    || return 0
+  local here
   here=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-  [ "$here" = "$want" ] && return 0
+  # the planner's own NVML-name matcher: the card key hardware/gpus.toml knows this GPU by, if any
+  [ "$("$PY" -c 'import sys; from rig.capacity import cards; c = cards.match(sys.argv[1]); print(c.key if c else "")' \
+       "$here")" = "$POOL_OF" ] && return 0
   inv plan --gpu "$POOL_OF" "$@" --json 2>/dev/null | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["budget"]["kv_mem_exact"])'
 }
 
