@@ -332,15 +332,15 @@ def test_seats_of_the_real_shape_are_what_the_h100_engine_ran(rung):
     tokens = int(re.search(r"GPU KV cache size: ([\d,]+) tokens", log)[1].replace(",", ""))
     running = max(int(n) for n in re.findall(r"Running: (\d+) reqs", log))
     cell = 128 + 512
+    s = shape.real_shape()
 
-    def at(blocks: int) -> pages.Pool:
-        return pages.pool(shape.real_shape(), knobs["KV"], knobs["MAMBA_SSM_DTYPE"], blocks * block_bytes + 1,
-                          knobs["MAX_LEN"])
+    def at(kv_bytes: int) -> pages.Pool:
+        return pages.pool(s, knobs["KV"], knobs["MAMBA_SSM_DTYPE"], kv_bytes, knobs["MAX_LEN"])
 
-    first = pages.pool(shape.real_shape(), knobs["KV"], knobs["MAMBA_SSM_DTYPE"], 1 << 33, knobs["MAX_LEN"])
+    first = at(1 << 33)
     block_bytes = first.page_bytes * first.layers_per_group
     guess = tokens * first.blocks // first.reported_tokens
-    match = [p for p in map(at, range(guess - 2, guess + 3)) if p.reported_tokens == tokens]
+    match = [p for b in range(guess - 2, guess + 3) if (p := at(b * block_bytes + 1)).reported_tokens == tokens]
     assert match, f"no block count near {guess} gives vLLM's {tokens:,} tokens"
     assert running < 64 and match[0].seats(cell) == running
 
