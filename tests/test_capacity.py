@@ -409,10 +409,38 @@ def test_decode_bound_reads_weights_once_and_embedding_rows_only():
     assert roofline.decode_weight_bytes(loaded, w, tied, 64) == loaded
     r = roofline.bounds(s, read, 1_000_000, 4_096, 64, 4_096, 936, 71, 284, "", "gate_up")
     sb = read + 64 * (2 * 1_000_000 + 4_096 * 4_096)
-    assert r.step_bytes == sb and r.decode_tok_s == pytest.approx(64 * 936e9 / sb)
+    flops = sum(roofline.linear_flops(s, None)) + roofline.attention_flops(s, 4_096)
+    assert r.step_bytes == sb and r.decode_memory_tok_s == pytest.approx(64 * 936e9 / sb)
+    assert r.decode_compute_tok_s == pytest.approx(71e12 / flops) == pytest.approx(r.prefill_tok_s)
+    assert r.decode_tok_s == min(r.decode_memory_tok_s, r.decode_compute_tok_s)
     i8 = roofline.bounds(s, read, 1_000_000, 4_096, 64, 4_096, 936, 71, 284, "int8", ".")
-    assert i8.prefill_tok_s > r.prefill_tok_s == pytest.approx(r.prefill_tok_s_fp16)  # int8 pays on prefill only
-    assert i8.decode_tok_s == r.decode_tok_s
+    assert i8.prefill_tok_s > r.prefill_tok_s == pytest.approx(r.prefill_tok_s_fp16)
+    assert i8.decode_memory_tok_s == r.decode_memory_tok_s  # int8 activations move no fewer bytes
+
+
+def test_decode_at_64_seats_is_compute_bound_on_a_3090_and_memory_bound_on_an_h200():
+    """Why the ladder's int8 rungs pay on the 3090 and not on the H200 (docs/gpu.md, 2026-12-05 night): at
+    64 seats of the 128/512 cell (384 tokens on average) the 3090's fp16 tensor cores bind before its
+    bandwidth, so int8 activations raise its decode bound; the H200 stays memory-bound whatever INT8_LAYERS."""
+    from rig.capacity import roofline
+
+    s = shape.real_shape()
+    w = weights.count(s)
+    read = roofline.decode_weight_bytes(w.loaded(with_mtp=False), w, s, 64)
+    state = sum(pages.state_bytes(s, "float16", 1, 0).values()) * s.gdn_layers
+    kv = 2_048 * s.attention_layers  # fp8
+
+    def bound(card: cards.Card, int8_act: str, layers: str) -> roofline.Roofline:
+        return roofline.bounds(s, read, state, kv, 64, 384, card.bandwidth_gbs, card.fp16_tflops,
+                               card.int8_tops, int8_act, layers)
+
+    rtx, h200 = RTX3090, cards.card("h200")
+    plain, mlp = bound(rtx, "", "mlp"), bound(rtx, "int8", "mlp")
+    assert plain.decode_limit == "compute" and mlp.decode_limit == "memory"
+    assert mlp.decode_tok_s / plain.decode_tok_s > 1.5
+    for layers in ("gate_up", "mlp", "."):
+        assert bound(h200, "int8", layers).decode_limit == "memory"
+        assert bound(h200, "int8", layers).decode_tok_s == bound(h200, "", layers).decode_tok_s
 
 
 def test_a_busy_card_is_refused_with_the_gpu_util_that_fits():

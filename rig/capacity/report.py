@@ -145,8 +145,11 @@ def render(r: Report, width: int = 110) -> str:
                   f"{cards.overheads()['kv_mem_margin']:.0%} margin")
     if r.roofline:
         f = r.roofline
-        t.add_row("decode bound", f"{f.decode_tok_s:,.0f} tok/s", f"{f.seats} seats at {f.context:,} tokens "
-                  f"({f.step_bytes / GIB:.2f} GiB a step); one seat {f.decode_tok_s_one:,.0f} tok/s")
+        other = (f"compute {f.decode_compute_tok_s:,.0f}" if f.decode_limit == "memory"
+                 else f"memory {f.decode_memory_tok_s:,.0f}")
+        t.add_row("decode bound", f"{f.decode_tok_s:,.0f} tok/s", f"{f.seats} seats at {f.context:,} tokens, "
+                  f"{f.decode_limit}-bound ({f.step_bytes / GIB:.2f} GiB a step; {other} tok/s); one seat "
+                  f"{f.decode_tok_s_one:,.0f} tok/s")
         t.add_row("prefill bound", f"{f.prefill_tok_s:,.0f} tok/s", f"{f.prefill_flops_per_token / 1e9:.1f} GFLOP a "
                   f"token; all-fp16 path {f.prefill_tok_s_fp16:,.0f} tok/s")
     con.print(t)

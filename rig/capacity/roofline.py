@@ -1,9 +1,14 @@
 """Upper bounds on speed from bytes and FLOPs: what the card cannot beat, not what it will reach.
 
-Decode is memory-bound: each step reads every weight once, reads and writes each seat's GDN
-state, and reads each seat's KV; tokens/s <= seats x bandwidth / bytes per step. Prefill is
-compute-bound: 2 FLOPs per weight per token, plus attention's QK^T and PV over the context;
-tokens/s <= tensor-core rate / FLOPs per token, with the int8 (W4A8 Marlin) layers at the int8 rate.
+A decode step moves bytes and does FLOPs: it reads every weight once, reads and writes each seat's
+GDN state, and reads each seat's KV (tokens/s <= seats x bandwidth / bytes per step), and it runs
+every seat's token through the linears and attention (tokens/s <= tensor-core rate / FLOPs per
+token, the rate prefill has too). The bound is the lower of the two, and which one it is matters:
+at 64 seats the RTX 3090's fp16 tensor cores (71 TFLOP/s with fp32 accumulation) bind before its
+936 GB/s do, so int8 activations (4x the rate) raise its decode bound, while an H200's 989 TFLOP/s
+leave decode memory-bound and int8 cannot (docs/gpu.md, the ladder on an H200). Prefill is
+compute-bound: 2 FLOPs per weight per token, plus attention's QK^T and PV over the context, with
+the int8 (W4A8 Marlin) layers at the int8 rate.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ class Roofline:
     seats: int
     context: int
     step_bytes: int
-    decode_tok_s: float
+    decode_tok_s: float          # the lower of the two below
     decode_tok_s_one: float
+    decode_memory_tok_s: float   # seats x bandwidth / step bytes
+    decode_compute_tok_s: float  # tensor-core rate / FLOPs per token (the prefill bound at this context)
+    decode_limit: str            # "memory" or "compute": which one binds
     prefill_flops_per_token: float
     prefill_tok_s: float
     prefill_tok_s_fp16: float
@@ -67,7 +75,8 @@ def attention_flops(s: Shape, context: int) -> float:
 def bounds(s: Shape, weight_bytes: int, state_per_seat: int, kv_token_bytes: int, seats: int, context: int,
            bandwidth_gbs: float, fp16_tflops: float, int8_tops: float | None, int8_act: str,
            int8_layers: str) -> Roofline:
-    """Decode at ``seats`` requests of ``context`` tokens and at one; prefill of a ``context``-token prompt."""
+    """Decode at ``seats`` requests of ``context`` tokens and at one, each the lower of its memory and compute
+    bounds; prefill of a ``context``-token prompt."""
     bw = bandwidth_gbs * 1e9
     sb = step_bytes(weight_bytes, state_per_seat, kv_token_bytes, seats, context)
     one = step_bytes(weight_bytes, state_per_seat, kv_token_bytes, 1, context)
@@ -76,6 +85,8 @@ def bounds(s: Shape, weight_bytes: int, state_per_seat: int, kv_token_bytes: int
     att = attention_flops(s, context)
     t = (f16 + att) / (fp16_tflops * 1e12) + (i8 / (int8_tops * 1e12) if i8 else 0.0)
     t16 = (f16 + i8 + att) / (fp16_tflops * 1e12)
-    return Roofline(seats=seats, context=context, step_bytes=sb, decode_tok_s=seats * bw / sb,
-                    decode_tok_s_one=bw / one, prefill_flops_per_token=f16 + i8 + att, prefill_tok_s=1 / t,
-                    prefill_tok_s_fp16=1 / t16)
+    memory, compute = seats * bw / sb, 1 / t
+    return Roofline(seats=seats, context=context, step_bytes=sb, decode_tok_s=min(memory, compute),
+                    decode_tok_s_one=min(bw / one, compute), decode_memory_tok_s=memory,
+                    decode_compute_tok_s=compute, decode_limit="memory" if memory <= compute else "compute",
+                    prefill_flops_per_token=f16 + i8 + att, prefill_tok_s=1 / t, prefill_tok_s_fp16=1 / t16)
