@@ -21,7 +21,8 @@
 #   real       serve the batch profile on the real shape under the gpu24 overlay, verify it live
 #              (pool and concurrency vs the planner), one ladder cell, stop (files in OUT/real/)
 #   ladder     the same for each rung of LADDER ("name:KNOB=v ...;name:..."; the reference's five by
-#              default, the profile's own first), verifying the first only; files in OUT/<name>/;
+#              default, the profile's own first; MAX_SEQS=fit: the seats the plan has room for),
+#              verifying the first only; files in OUT/<name>/;
 #              with PACK set, OUT is packed after each rung (a caller polling from outside sees progress)
 # real and ladder on any card but POOL_OF (default rtx3090; empty: off) pin KV_MEM to POOL_OF's planned
 # pool, so the seats are that card's: GPU_MEM alone leaves this card's runtime overhead in the pool.
@@ -36,7 +37,7 @@ REAL_OVERLAYS=${REAL_OVERLAYS-gpu24}
 PROFILE=${PROFILE:-batch}
 PROTOCOL=${PROTOCOL:-bench/cells/ladder.toml}
 POOL_OF=${POOL_OF-rtx3090}
-LADDER=${LADDER:-"mlp:INT8_ACT=int8 INT8_LAYERS=mlp;fp16:INT8_ACT= MAMBA_SSM_DTYPE=float16;all:INT8_ACT=int8 INT8_LAYERS=.;gate_up:INT8_ACT=int8 INT8_LAYERS=gate_up;fp32:INT8_ACT= MAMBA_SSM_DTYPE=float32"}
+LADDER=${LADDER:-"mlp:INT8_ACT=int8 INT8_LAYERS=mlp;fp16:INT8_ACT= MAMBA_SSM_DTYPE=float16;fp32:INT8_ACT= MAMBA_SSM_DTYPE=float32 MAX_SEQS=fit;all:INT8_ACT=int8 INT8_LAYERS=.;gate_up:INT8_ACT=int8 INT8_LAYERS=gate_up"}
 mkdir -p "$OUT"
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
@@ -113,6 +114,14 @@ pool_pin() {
   inv plan --gpu "$POOL_OF" "$@" --json 2>/dev/null | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["budget"]["kv_mem_exact"])'
 }
 
+# MAX_SEQS=fit in a rung: the seats this plan's pool has room for, at most the profile's MAX_SEQS. The planner
+# refuses MAX_SEQS=64 where the state of 64 seats does not fit (float32 state on the 3090's pool: 36 seats,
+# 2026-12-05); the reference ran that rung with its engine capping the running requests (37 of 64).
+fit_seats() {
+  inv plan "$@" --json 2>/dev/null | "$PY" -c 'import json,sys; d = json.load(sys.stdin)
+print(min(d["budget"]["short_seats"], d["knobs"]["MAX_SEQS"]))'
+}
+
 # One configuration of the real shape: plan, serve, wait for ready, verify (VERIFY=1), bench, stop.
 # Its files land in $OUT/$1/; the rest of the arguments are KNOB=value sets on top of the base ones.
 serve_cell() {
@@ -122,9 +131,18 @@ serve_cell() {
   local dabs; dabs=$(cd "$d" && pwd); touch "$dabs/.start"  # this cell's files are the ones newer than this
   for s in $REAL_OVERLAYS; do ovl+=(--overlay "$s"); done
   [ -n "$FIXTURE" ] && sets+=(--set MODEL="$FIXTURE" --set SERVED_NAME="${SERVED:-fixture-${FIXTURE#fixture:}}")
-  for s in GPU_ARCH="$a" $REAL_SETS "$@"; do sets+=(--set "$s"); done
+  local fit=0
+  for s in GPU_ARCH="$a" $REAL_SETS "$@"; do
+    [ "$s" = MAX_SEQS=fit ] && { fit=1; continue; }
+    sets+=(--set "$s")
+  done
   local kv; kv=$(pool_pin --profile "$PROFILE" "${ovl[@]}" "${sets[@]}")
   [ -n "$kv" ] && sets+=(--set KV_MEM="$kv") && echo "$name: KV_MEM=$kv, the $POOL_OF plan's pool" | tee "$d/pool-of.txt"
+  if [ $fit = 1 ]; then
+    local n; n=$(fit_seats --profile "$PROFILE" "${ovl[@]}" "${sets[@]}")
+    [ -n "$n" ] || { stamp "cell $name: MAX_SEQS=fit: no plan to read the seats from"; return 1; }
+    sets+=(--set MAX_SEQS="$n") && echo "$name: MAX_SEQS=$n, the seats the plan has room for" | tee "$d/seats-fit.txt"
+  fi
   stamp "cell $name: $FIXTURE on $a, overlays: $REAL_OVERLAYS, sets: $REAL_SETS $*"
   inv plan --profile "$PROFILE" "${ovl[@]}" "${sets[@]}" > "$d/plan.txt" 2>&1 || { stamp "cell $name: plan refused"; tail -5 "$d/plan.txt"; return 1; }
   inv plan --profile "$PROFILE" "${ovl[@]}" "${sets[@]}" --json > "$d/plan.json" 2>/dev/null
