@@ -6,7 +6,9 @@
 # Run in the checkout on the GPU host. The environment is either rig's own (pixi / bootstrap.py)
 # or a carried one: SITE (default /tmp/site) installed from CARRY (default /tmp/c) by `install`.
 # Everything worth keeping is copied under OUT (default .rig/gpu-session). Steps:
-#   install    join and check the carried pieces (bench/scripts/gpu_carry.py), install into SITE
+#   install    join and check the carried pieces (bench/scripts/gpu_carry.py), install into SITE; carried
+#              compile caches (caches.tgz.* and caches.sha256, from `gpu_window.sh caches-out`) are
+#              checked and unpacked into the state folder: the serves start warm
 #   build      inv kernels.build for this GPU's arch, nothing else (what prepass needs)
 #   kernels    inv kernels.build for this GPU's arch, the kernels' GPU tests, the prefill-attention bench
 #   prepass    the int8 prefill pre-pass profile (bench/scripts/prefill_prepass_profile.py; after `kernels`)
@@ -51,6 +53,19 @@ step_install() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/nvidia-smi.csv"
   /usr/bin/time -f "install: %e s wall" sh "$CARRY/install.sh" "$SITE" 2>&1 | tail -3 | tee "$OUT/install.log"
   "$PY" -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1 | tee -a "$OUT/install.log"
+  caches_in | tee -a "$OUT/install.log"
+}
+
+# The compile caches an earlier window brought back (gpu_window.sh caches-out), if carried: all or nothing.
+caches_in() {
+  [ -f "$CARRY/caches.sha256" ] || return 0
+  local st=${RIG_STATE_DIR:-.rig}
+  if (cd "$CARRY" && sha256sum --quiet -c caches.sha256) && mkdir -p "$st" \
+     && cat "$CARRY"/caches.tgz.* | tar -xzf - -C "$st"; then
+    echo "caches: unpacked into $st/cache ($(du -sh "$st/cache" | cut -f1)): a warm start"
+  else
+    echo "caches: a piece is missing or damaged (above): not used, the serves start cold"
+  fi
 }
 
 step_build() {

@@ -8,6 +8,11 @@
 #                                                       outlives the call (setsid), OUT packed after each rung
 #   bash bench/scripts/gpu_window.sh poll SECONDS       wait until the daemon is done or SECONDS passed, then
 #                                                       copy its log and a pack of its files to $OUT
+#   bash bench/scripts/gpu_window.sh caches-out N       after the daemon: the serves' compile caches (vLLM's
+#                                                       torch.compile, inductor, Triton and its autotuning) as
+#                                                       16 MiB pieces, the Nth 7 of them (from 0) and their
+#                                                       caches.sha256 to $OUT; put them in .rig/carry and the
+#                                                       next window's `install` unpacks them: a warm start
 #
 # The fixture goes to /dev/shm when it has room (RIG_MODELS_DIR), which the daemon and later calls share.
 set -u
@@ -44,6 +49,21 @@ poll)
   tail -40 "$LOG"
   cp "$LOG" "$OUT/"
   tar --exclude=triton-cache.tgz -czf "$OUT/gs-now.tgz" -C "$(dirname "$GS")" "$(basename "$GS")" ;;
+caches-out)
+  i=${2:-0}; d=/tmp/caches-out; st=${RIG_STATE_DIR:-.rig}
+  if pgrep -f "bench/scripts/gpu_session.sh" >/dev/null; then echo "gpu_window.sh caches-out: the daemon still runs: poll first" >&2; exit 2; fi
+  if [ ! -f "$d/caches.sha256" ]; then
+    dirs=$(cd "$st" && ls -d cache/vllm cache/inductor cache/triton 2>/dev/null)
+    [ -n "$dirs" ] || { echo "gpu_window.sh caches-out: no compile caches under $st/cache" >&2; exit 2; }
+    rm -rf "$d" && mkdir -p "$d"
+    # shellcheck disable=SC2086
+    tar -czf - -C "$st" $dirs | split -b 16M -d -a 3 - "$d/caches.tgz."
+    (cd "$d" && sha256sum caches.tgz.* > caches.sha256)
+  fi
+  n=$(find "$d" -name 'caches.tgz.*' | wc -l)
+  stamp "caches: $n pieces of at most 16 MiB ($(du -sh "$d" | cut -f1)); call caches-out 0 .. $(( (n - 1) / 7 ))"
+  find "$d" -name 'caches.tgz.*' | sort | sed -n "$((i * 7 + 1)),$((i * 7 + 7))p" | xargs -r cp -t "$OUT"
+  cp "$d/caches.sha256" "$OUT/" ;;
 *)
-  echo "usage: gpu_window.sh piece | daemon STEP ... | poll SECONDS" >&2; exit 2 ;;
+  echo "usage: gpu_window.sh piece | daemon STEP ... | poll SECONDS | caches-out N" >&2; exit 2 ;;
 esac
