@@ -278,11 +278,12 @@ def test_cpu_plan_reads_nothing_of_the_host(monkeypatch):
 
 
 def test_inv_plan_prints_json_and_exits_2_for_a_plan_that_cannot_start():
-    r = subprocess.run([INV, "plan", "--profile", "batch", "--gpu", "rtx3090", "--json"], cwd=paths.ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([INV, "plan", "--profile", "batch", "--gpu", "rtx3090", "--json", "--set", "PREFILL_ATTN=int8"],
+                       cwd=paths.ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    data = json.loads(r.stdout)
+    data = json.loads(r.stdout)  # the plan's warnings go to stderr, as serve prints them
     assert data["budget"]["pool"]["reported_tokens"] == 223_821 and data["roofline"]["decode_tok_s"] > 0
+    assert "rig: warning: PREFILL_ATTN='int8' gets a prompt's tokens only where a step starts it" in r.stderr
     r = subprocess.run([INV, "plan", "--gpu", "rtx3090", "--set", "MAMBA_SSM_DTYPE=float32"], cwd=paths.ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "refused: MAX_SEQS=64" in r.stdout

@@ -305,6 +305,21 @@ def test_int8_prefill_is_refused_with_a_cache_whose_backend_it_does_not_hook(kv)
     assert resolve("batch", (), "gpu", environ={}, sets={"PREFILL_ATTN": "int8"}).env["VLLM_RIG_PREFILL_ATTN"]
 
 
+def test_int8_prefill_warns_when_the_profiles_steps_are_too_short_for_it_to_pay():
+    """PREFILL_ATTN=int8 gets a prompt only where a step starts it (whole, or its first chunk), so a 2,048-token
+    step budget never gives it the 4,096 tokens where it first measured faster; the plan says so (and still
+    runs it: the user asked)."""
+    from rig.plan import INT8_PREFILL_PAYS_FROM
+
+    plan = resolve("batch", (), "gpu", environ={}, sets={"PREFILL_ATTN": "int8"})
+    chunk = int(plan.argv[plan.argv.index("--max-num-batched-tokens") + 1])
+    assert chunk < INT8_PREFILL_PAYS_FROM
+    start = "PREFILL_ATTN='int8' gets a prompt's tokens only where a step starts it"
+    hits = [w for w in plan.warnings if w.startswith(start)]
+    assert len(hits) == 1 and f"steps take {chunk:,} tokens" in hits[0] and "keep 'auto'" in hits[0]
+    assert not any("PREFILL_ATTN" in w for w in resolve("batch", (), "gpu", environ={}).warnings)
+
+
 @pytest.mark.parametrize(("platform", "kv", "needle"), [
     ("gpu", "fp8_per_token_head", "KV='fp8_per_token_head': vLLM 0.28 runs it on TRITON_ATTN from SM89 on"),
     ("cpu", "turboquant_3bit_nc", "KV='turboquant_3bit_nc': vLLM 0.28 runs it only on CUDA (TURBOQUANT)"),

@@ -37,6 +37,8 @@ def plan(c, profile="batch", overlay=None, set=None, platform="", gpu="", contex
         r = report.for_plan(the_plan, card, context or None)
     except shape.ShapeError as e:
         raise Exit(f"rig: error: {e}", code=2) from None
+    for w in the_plan.warnings:  # what serve would print first (stderr: --json's stdout stays JSON)
+        print(f"rig: warning: {w}", file=sys.stderr, flush=True)
     sys.stdout.write(r.to_json() if json else report.render(r))
     if r.budget.errors:
         raise Exit(code=2)
