@@ -47,7 +47,8 @@ def overlay_table() -> str:
     rows = ["| overlay | sets | what it is for |", "|---|---|---|"]
     for name in profiles.available("overlay"):
         ov = profiles.load_file(name, "overlay")
-        sets = ", ".join(f"`{k}={v!r}`" for k, v in ov.knobs.items())
+        sets = ", ".join([f"`{k}={v!r}`" for k, v in ov.knobs.items()]
+                         + [f"`--{k.replace('_', '-')} {v}`" for k, v in ov.serve.items()])
         for prof, adj in ov.profiles.items():
             sets += f"; on {prof}: " + ", ".join(f"`{k}={v!r}`" for k, v in adj.knobs.items())
         rows.append(f"| `{name}` | {sets or '-'} | {_md_escape(ov.description)} |")

@@ -22,6 +22,19 @@ def test_every_bench_file_loads_and_every_protocol_is_there():
         assert protocols.load(name).kind == kind
 
 
+def test_every_single_cell_file_is_a_cell_of_its_protocol():
+    """bench/cells/ holds one-cell cuts of the protocols for short GPU windows: each loads, and its cell is
+    one of the full protocol's (same lengths and concurrency; fewer prompts allowed)."""
+    from rig import paths
+
+    files = sorted((paths.ROOT / "bench" / "cells").glob("*.toml"))
+    assert {f.stem for f in files} >= {"ladder", "ladder-64", "prefill-16k"}
+    for f in files:
+        cut = protocols.load_path(f)
+        full = {(c.input_len, c.output_len, c.concurrency) for c in protocols.load(cut.kind).cells}
+        assert [(c.input_len, c.output_len, c.concurrency) in full for c in cut.cells] == [True], f.name
+
+
 def test_protocols_carry_the_reference_sizes():
     tp = protocols.load("throughput")
     assert [(c.input_len, c.output_len, c.concurrency, c.num_prompts) for c in tp.cells] == [

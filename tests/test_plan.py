@@ -318,6 +318,9 @@ def test_int8_prefill_warns_when_the_profiles_steps_are_too_short_for_it_to_pay(
     hits = [w for w in plan.warnings if w.startswith(start)]
     assert len(hits) == 1 and f"steps take {chunk:,} tokens" in hits[0] and "keep 'auto'" in hits[0]
     assert not any("PREFILL_ATTN" in w for w in resolve("batch", (), "gpu", environ={}).warnings)
+    long = resolve("batch", ("long-steps",), "gpu", environ={}, sets={"PREFILL_ATTN": "int8"})
+    assert int(long.argv[long.argv.index("--max-num-batched-tokens") + 1]) >= INT8_PREFILL_PAYS_FROM
+    assert not any(w.startswith(start) for w in long.warnings)  # the overlay that lets it pay: no warning
 
 
 @pytest.mark.parametrize(("platform", "kv", "needle"), [
