@@ -26,6 +26,8 @@
 #              default, the profile's own first; MAX_SEQS=fit: the seats the plan has room for),
 #              verifying the first only; files in OUT/<name>/;
 #              with PACK set, OUT is packed after each rung (a caller polling from outside sees progress)
+# DEADLINE (epoch seconds) stops the ladder before a rung that would not end ~RUNG_S (default 300) seconds
+# before it: a window's last minutes go to fetching files and caches, not to a rung cut in the middle.
 # real and ladder on any card but POOL_OF (default rtx3090; empty: off) pin KV_MEM to POOL_OF's planned
 # pool, so the seats are that card's: GPU_MEM alone leaves this card's runtime overhead in the pool.
 # Nothing here is specific to one GPU model: the arch comes from NVML.
@@ -208,6 +210,10 @@ step_ladder() {
   inv patch.apply 2>&1 | tail -2
   IFS=';' read -ra rungs <<< "$LADDER"
   for rung in "${rungs[@]}"; do
+    if [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - $(date +%s) )) -lt "${RUNG_S:-300}" ]; then
+      stamp "ladder: $(( DEADLINE - $(date +%s) )) s to DEADLINE, a rung takes ~${RUNG_S:-300} s: stopping before ${rung%%:*}"
+      break
+    fi
     # shellcheck disable=SC2086
     VERIFY=$first serve_cell "${rung%%:*}" ${rung#*:}
     first=0
