@@ -178,6 +178,49 @@ def test_kvarn_prefix_match_unit_is_the_block():
     assert pages.pool(s, "fp8", "float16", 8 * 2**30, 4096).match_unit == 0
 
 
+def _hybrid_groups(s, attn, gdn, extra: dict) -> list:
+    """vLLM 0.28's own KV cache grouping (get_kv_cache_groups) of the real shape's layers plus ``extra``."""
+    import types
+
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+
+    specs = {f"model.layers.{i}": attn if kind == "full_attention" else gdn for i, kind in enumerate(s.layer_types)}
+    cfg = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False))
+    return get_kv_cache_groups(cfg, {**specs, **extra})
+
+
+def test_kvarn_tail_slots_as_mamba_companions_get_a_group_of_their_own_from_vllms_grouping():
+    """docs/kvarn.md, "A slot for the tail": vLLM gives a layer a per-request slot only through a MambaSpec
+    (one block a request with PREFIX_CACHE=0). Companion layers holding two attention layers' tails each
+    (K and V, 128 tokens, 4 heads of 256, bf16: 1 MiB) are accepted by vLLM's own grouping of the real
+    shape at the kvarn page: padded to the common page, one group of their own, the attention layers'
+    group and the GDN groups unchanged; so a seat's tails cost 8 pages, not the 8 MiB the planner reserves."""
+    import torch
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    s = shape.real_shape()
+    block = 2048  # the kvarn hybrid block with fp16 state (test_kvarn_block_of_128_holds_whole_groups...)
+    attn = pages.attention_spec(s, "kvarn", block=block)
+    page = attn.page_size_bytes
+    gdn = MambaSpec(block_size=150_000, shapes=pages.state_shapes(s), dtypes=pages.state_dtypes(s, "float16"),
+                    page_size_padded=page, mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="none")
+    tail = MambaSpec(block_size=150_000, shapes=((128, 4, 256),) * 4, dtypes=(torch.bfloat16,) * 4,
+                     mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="none")
+    layer_tail = pages.tail_layer_bytes(s, "kvarn")
+    assert tail.page_size_bytes == 2 * layer_tail == 1_048_576 < page == 2048 * 832
+    base = _hybrid_groups(s, attn, gdn, {})
+    groups = _hybrid_groups(s, attn, gdn, {f"kvarn_tail.{j}": tail for j in range(s.attention_layers // 2)})
+    kinds = [(type(g.kv_cache_spec).__name__, len(g.layer_names)) for g in groups]
+    tails = [g for g in groups if g.layer_names[0].startswith("kvarn_tail")]
+    assert len(tails) == 1 and all(n.startswith("kvarn_tail") for n in tails[0].layer_names)
+    assert tails[0].kv_cache_spec.page_size_bytes == page  # padded up to the common page
+    assert kinds.count(("FullAttentionSpec", 8)) == 2 and len(groups) == 9  # 8 layers a group now, not 16
+    assert sum(len(g.layer_names) for g in base) == s.num_hidden_layers
+    per_seat = len(tails[0].layer_names) * page
+    assert per_seat > s.attention_layers * layer_tail == 8 * 2**20  # what the planner reserves a seat today
+
+
 def _kvarn_kernels():
     """kernels/kvarn/kvarn_triton.py (imports triton), under the name its tests use."""
     import importlib.util
