@@ -50,7 +50,7 @@ poll)
   cp "$LOG" "$OUT/"
   tar --exclude=triton-cache.tgz -czf "$OUT/gs-now.tgz" -C "$(dirname "$GS")" "$(basename "$GS")" ;;
 caches-out)
-  i=${2:-0}; d=/tmp/caches-out; st=${RIG_STATE_DIR:-.rig}
+  i=${2:-0}; d=${CACHES_OUT:-/tmp/caches-out}; st=${RIG_STATE_DIR:-.rig}
   if pgrep -f "bench/scripts/gpu_session.sh" >/dev/null; then echo "gpu_window.sh caches-out: the daemon still runs: poll first" >&2; exit 2; fi
   if [ ! -f "$d/caches.sha256" ]; then
     dirs=$(cd "$st" && ls -d cache/vllm cache/inductor cache/triton 2>/dev/null)

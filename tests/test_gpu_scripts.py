@@ -1,0 +1,116 @@
+"""The GPU window's shell scripts (bench/scripts/gpu_window.sh, gpu_session.sh), run for real by bash here.
+
+A GPU window is 30 minutes a session: a script that breaks there costs the window. What does not need a
+GPU is run here on real files: the compile caches' round trip (caches-out on one "machine", install's
+caches_in on another), the ladder's DEADLINE and MAX_SEQS=fit (the planner's real seats, the card told
+by a stand-in nvidia-smi).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from rig import paths
+
+SCRIPTS = paths.ROOT / "bench" / "scripts"
+
+
+def _checkout(tmp: Path, name: str) -> Path:
+    """A folder with the scripts where the device's checkout has them (both scripts use relative paths)."""
+    root = tmp / name
+    (root / "bench").mkdir(parents=True)
+    shutil.copytree(SCRIPTS, root / "bench" / "scripts")
+    return root
+
+
+def _bash(cwd: Path, script: str, env: dict[str, str], timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", script], cwd=cwd, env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_compile_caches_come_back_in_pieces_and_unpack_whole_or_not_at_all(tmp_path):
+    """caches-out packs .rig/cache/{vllm,inductor,triton} (not the rest of .rig/cache) into 16 MiB pieces and
+    their sha256s, 7 a call; install's caches_in on a fresh checkout unpacks them byte for byte, and a
+    missing piece leaves the caches out (a cold start), saying so."""
+    here = _checkout(tmp_path, "device")
+    cache = here / ".rig" / "cache"
+    blobs = {"vllm/torch_compile_cache/a.bin": os.urandom(20 * 2**20), "triton/b.bin": os.urandom(3 * 2**20),
+             "inductor/c.txt": b"inductor\n"}
+    for rel, data in blobs.items():
+        (cache / rel).parent.mkdir(parents=True, exist_ok=True)
+        (cache / rel).write_bytes(data)
+    (cache / "hf").mkdir()
+    (cache / "hf" / "skip.txt").write_text("not a compile cache")
+    out, pieces = tmp_path / "out", tmp_path / "pieces"
+    out.mkdir()
+    env = {"OUT": str(out), "GS": str(tmp_path / "gs"), "CACHES_OUT": str(pieces)}
+    r = _bash(here, "bash bench/scripts/gpu_window.sh caches-out 0", env)
+    assert r.returncode == 0, r.stderr
+    assert "caches: 2 pieces of at most 16 MiB" in r.stdout and "call caches-out 0 .. 0" in r.stdout
+    got = sorted(p.name for p in out.iterdir())
+    assert got == ["caches.sha256", "caches.tgz.000", "caches.tgz.001"]
+    assert max(p.stat().st_size for p in out.iterdir()) <= 16 * 2**20
+
+    there = _checkout(tmp_path, "next-window")
+    carry = tmp_path / "carry"
+    shutil.copytree(out, carry)
+    run_in = "set --; source bench/scripts/gpu_session.sh; caches_in"
+    env2 = {"CARRY": str(carry), "OUT": str(tmp_path / "gs2")}
+    r = _bash(there, run_in, env2)
+    assert r.returncode == 0, r.stderr
+    assert "caches: unpacked into .rig/cache" in r.stdout
+    for rel, data in blobs.items():
+        assert (there / ".rig" / "cache" / rel).read_bytes() == data
+    assert not (there / ".rig" / "cache" / "hf").exists()
+
+    shutil.rmtree(there / ".rig")
+    (carry / "caches.tgz.001").unlink()
+    r = _bash(there, run_in, env2)
+    assert "caches: a piece is missing or damaged (above): not used, the serves start cold" in r.stdout
+    assert not (there / ".rig" / "cache").exists()
+
+
+def test_the_ladder_stops_before_a_rung_its_deadline_would_cut(tmp_path):
+    """DEADLINE: a rung starts only with RUNG_S seconds to spare; without DEADLINE every rung runs."""
+    root = _checkout(tmp_path, "device")
+    ladder = ("set --; source bench/scripts/gpu_session.sh; inv() { :; }; "
+              "serve_cell() { echo \"cell $1\"; }; step_ladder")
+    env = {"OUT": str(tmp_path / "gs"), "LADDER": "a:X=1;b:X=2", "RUNG_S": "300"}
+    late = _bash(root, f"DEADLINE=$(( $(date +%s) + 100 )); {ladder}", env)
+    assert "stopping before a" in late.stdout and "cell " not in late.stdout
+    early = _bash(root, f"DEADLINE=$(( $(date +%s) + 1000 )); {ladder}", env)
+    assert "cell a" in early.stdout and "cell b" in early.stdout and "stopping" not in early.stdout
+    assert "cell b" in _bash(root, ladder, env).stdout
+
+
+def test_max_seqs_fit_is_the_planners_seats_on_the_pinned_3090_pool(tmp_path):
+    """A rung's MAX_SEQS=fit: on an H200 (a stand-in nvidia-smi names it) pool_pin pins the rtx3090 plan's
+    KV_MEM, and fit_seats reads the plan's seats: 36 with float32 state (the planner refuses 64), 64 with
+    float16 (71 fit; the profile's MAX_SEQS caps it)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200'\n")
+    smi.chmod(0o755)
+    script = """
+set --; source bench/scripts/gpu_session.sh
+# no GPU here: a plan that names no card is planned for the H200 the stand-in nvidia-smi names
+inv() { case " $* " in *" --gpu "*) ;; *) [ "$1" = plan ] && set -- "$@" --gpu h200 ;; esac; "$PY" -m invoke "$@"; }
+for ssm in float32 float16; do
+  sets=(--set MODEL=fixture:qwen3.5-27b-class --set GPU_ARCH=sm90 --set INT8_ACT= --set MAMBA_SSM_DTYPE=$ssm)
+  kv=$(pool_pin --profile batch --overlay gpu24 "${sets[@]}")
+  echo "$ssm kv=$kv seats=$(fit_seats --profile batch --overlay gpu24 "${sets[@]}" --set KV_MEM=$kv)"
+done
+"""
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PY": sys.executable, "OUT": str(tmp_path / "gs"),
+           "PYTHONPATH": str(paths.ROOT)}
+    r = _bash(paths.ROOT, script, env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = dict(line.split(" ", 1) for line in r.stdout.split("\n") if line.startswith("float"))
+    kv32 = int(lines["float32"].split()[0].removeprefix("kv="))
+    assert kv32 > 7 * 10**9 and lines["float32"].endswith("seats=36")
+    assert lines["float16"].endswith("seats=64")
