@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rig import paths
+from rig import enginelog, paths
 from rig.capacity import cards, pages, report, shape, weights
 from rig.plan import resolve
 from rig.server import free_port, port_in_use
@@ -368,13 +368,10 @@ def test_seats_of_the_real_shape_are_what_the_h100_engine_ran(rung):
     vLLM logged its pool and ran at most R of the 64. The planner's seat rule, given the block count
     behind that pool (vLLM's own grouping, on CPU), says R too: the pool was mispredicted, the seats
     were not (docs/gpu.md, "The real shape served")."""
-    import re
-
     run = paths.DOCS / "gpu-runs" / "2026-12-05-h100" / rung
-    log = (run / "serve.log").read_text()
     knobs = json.loads((run / "plan.json").read_text())["knobs"]
-    tokens = int(re.search(r"GPU KV cache size: ([\d,]+) tokens", log)[1].replace(",", ""))
-    running = max(int(n) for n in re.findall(r"Running: (\d+) reqs", log))
+    tokens = enginelog.read(run / "serve.log").pool_tokens
+    running = _most_running(run / "serve.log")
     cell = 128 + 512
     s = shape.real_shape()
 
@@ -389,7 +386,25 @@ def test_seats_of_the_real_shape_are_what_the_h100_engine_ran(rung):
     assert running < 64 and match[0].seats(cell) == running
 
 
+def _most_running(serve_log: Path) -> int:
+    """The most requests a served engine ran at once (its 10 s stats lines: "Running: N reqs")."""
+    import re
+
+    return max(int(n) for n in re.findall(r"Running: (\d+) reqs", serve_log.read_text()))
+
+
 H200_LADDER = paths.DOCS / "gpu-runs" / "2026-12-05-h200-ladder"
+
+
+def _h200_pinned_budget(rung: str, **sets: str):
+    """The planner's budget, on CPU, for a rung of the H200 ladder: the real shape under gpu24 on the H200,
+    KV_MEM pinned as gpu_session.sh pinned it there (the rung's pool-of.txt)."""
+    import re
+
+    pinned = re.search(r"KV_MEM=(\d+)", (H200_LADDER / rung / "pool-of.txt").read_text())[1]
+    plan = resolve("batch", platform="gpu", environ={}, overlays=["gpu24"], sets={
+        "MODEL": "fixture:qwen3.5-27b-class", "GPU_ARCH": "sm90", "KV_MEM": pinned, **sets})
+    return report.for_plan(plan, cards.card("h200")).budget
 
 
 @pytest.mark.parametrize("rung", ["mlp", "fp16", "all"])
@@ -397,19 +412,13 @@ def test_the_3090_pool_pinned_on_the_h200_is_what_its_engine_allocated(rung):
     """The H200 ladder of 2026-12-05 (night) pinned KV_MEM to the rtx3090 plan's pool: the planner, on CPU,
     gives vLLM's logged pool to the token for that KV_MEM, and its seats (71) held the 64 requests the
     engine ran at once (docs/gpu.md, "The ladder in compile mode")."""
-    import re
-
     run = H200_LADDER / rung
-    log = (run / "serve.log").read_text()
-    pinned = int(re.search(r"KV_MEM=(\d+)", (run / "pool-of.txt").read_text())[1])
     knobs = json.loads((run / "plan.json").read_text())["knobs"]
-    assert knobs["KV_MEM"] == pinned
-    plan = resolve("batch", platform="gpu", environ={}, overlays=["gpu24"], sets={
-        "MODEL": "fixture:qwen3.5-27b-class", "GPU_ARCH": "sm90", "KV_MEM": str(pinned),
-        "MAMBA_SSM_DTYPE": knobs["MAMBA_SSM_DTYPE"]})  # the knobs the pool depends on (plan.json's)
-    b = report.for_plan(plan, cards.card("h200")).budget
-    tokens = int(re.search(r"GPU KV cache size: ([\d,]+) tokens", log)[1].replace(",", ""))
-    running = max(int(n) for n in re.findall(r"Running: (\d+) reqs", log))
+    # the knobs the pool depends on, as plan.json has them
+    b = _h200_pinned_budget(rung, MAMBA_SSM_DTYPE=knobs["MAMBA_SSM_DTYPE"])
+    assert knobs["KV_MEM"] == b.kv_bytes  # plan.json's pin is the one pool-of.txt names
+    tokens = enginelog.read(run / "serve.log").pool_tokens
+    running = _most_running(run / "serve.log")
     assert b.pool.reported_tokens == tokens == 224_607
     assert running == 64 <= b.short_seats and not b.errors
 
@@ -418,19 +427,11 @@ def test_float32_state_on_the_3090_pool_is_refused_at_64_seats_and_fits_36():
     """The ladder's fp32 rung on the H200 (same pin): the planner refused MAX_SEQS=64 before anything
     started (the reference's 3090 ran 37 of 64 with float32 state); the refusal names 36 seats, what
     `gpu_session.sh`'s MAX_SEQS=fit then runs."""
-    import re
-
-    run = H200_LADDER / "fp32"
-    pinned = int(re.search(r"KV_MEM=(\d+)", (run / "pool-of.txt").read_text())[1])
-    sets = {"MODEL": "fixture:qwen3.5-27b-class", "GPU_ARCH": "sm90", "KV_MEM": str(pinned),
-            "INT8_ACT": "", "MAMBA_SSM_DTYPE": "float32"}
-    b = report.for_plan(resolve("batch", platform="gpu", environ={}, overlays=["gpu24"], sets=sets),
-                        cards.card("h200")).budget
+    b = _h200_pinned_budget("fp32", INT8_ACT="", MAMBA_SSM_DTYPE="float32")
     assert b.short_seats == 36 and any("only 36 requests can run" in e for e in b.errors)
-    assert "only 36 requests can run; set MAX_SEQS=36" in (run / "plan.txt").read_text().replace("\n", " ")
-    fit = report.for_plan(resolve("batch", platform="gpu", environ={}, overlays=["gpu24"],
-                                  sets={**sets, "MAX_SEQS": "36"}), cards.card("h200")).budget
-    assert not fit.errors
+    refusal = (H200_LADDER / "fp32" / "plan.txt").read_text().replace("\n", " ")
+    assert "only 36 requests can run; set MAX_SEQS=36" in refusal
+    assert not _h200_pinned_budget("fp32", INT8_ACT="", MAMBA_SSM_DTYPE="float32", MAX_SEQS="36").errors
 
 
 def test_a_dense_model_plans_with_no_gdn_state(tmp_path):
