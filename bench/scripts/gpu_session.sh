@@ -58,7 +58,8 @@ step_install() {
   caches_in | tee -a "$OUT/install.log"
 }
 
-# The compile caches an earlier window brought back (gpu_window.sh caches-out), if carried: all or nothing.
+# The compile caches an earlier window brought back (gpu_window.sh caches-out), if carried: every piece is
+# checked against caches.sha256 before anything is unpacked; one missing or damaged piece, none are used.
 caches_in() {
   [ -f "$CARRY/caches.sha256" ] || return 0
   local st=${RIG_STATE_DIR:-.rig}
@@ -128,16 +129,19 @@ pool_pin() {
   # the planner's own NVML-name matcher: the card key hardware/gpus.toml knows this GPU by, if any
   [ "$("$PY" -c 'import sys; from rig.capacity import cards; c = cards.match(sys.argv[1]); print(c.key if c else "")' \
        "$here")" = "$POOL_OF" ] && return 0
-  inv plan --gpu "$POOL_OF" "$@" --json 2>/dev/null | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["budget"]["kv_mem_exact"])'
+  plan_read 'd["budget"]["kv_mem_exact"]' --gpu "$POOL_OF" "$@"
+}
+
+# plan_read EXPR PLAN-ARGS...: EXPR of `inv plan PLAN-ARGS --json` (as d), also for a plan it refuses.
+plan_read() {
+  local expr=$1; shift
+  inv plan "$@" --json 2>/dev/null | "$PY" -c "import json, sys; d = json.load(sys.stdin); print($expr)"
 }
 
 # MAX_SEQS=fit in a rung: the seats this plan's pool has room for, at most the profile's MAX_SEQS. The planner
 # refuses MAX_SEQS=64 where the state of 64 seats does not fit (float32 state on the 3090's pool: 36 seats,
 # 2026-12-05); the reference ran that rung with its engine capping the running requests (37 of 64).
-fit_seats() {
-  inv plan "$@" --json 2>/dev/null | "$PY" -c 'import json,sys; d = json.load(sys.stdin)
-print(min(d["budget"]["short_seats"], d["knobs"]["MAX_SEQS"]))'
-}
+fit_seats() { plan_read 'min(d["budget"]["short_seats"], d["knobs"]["MAX_SEQS"])' "$@"; }
 
 # One configuration of the real shape: plan, serve, wait for ready, verify (VERIFY=1), bench, stop.
 # Its files land in $OUT/$1/; the rest of the arguments are KNOB=value sets on top of the base ones.
