@@ -114,3 +114,35 @@ done
     kv32 = int(lines["float32"].split()[0].removeprefix("kv="))
     assert kv32 > 7 * 10**9 and lines["float32"].endswith("seats=36")
     assert lines["float16"].endswith("seats=64")
+
+
+def test_a_rungs_overlays_and_protocol_replace_the_ladders_for_that_rung_only(tmp_path):
+    """OVERLAYS=a,b and PROTOCOL=file in a rung reach that rung's plan, serve and bench (the 16k prefill
+    under long-steps beside ladder rungs under gpu24 alone) and are not passed on as knobs; the next rung
+    gets REAL_OVERLAYS and PROTOCOL again. python is a stand-in that records its arguments."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    fake_py = bin_dir / "fake-python"
+    fake_py.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\necho 'rig: ready'\n"
+                       "case \"$*\" in *serve*) exec sleep 30 ;; esac\n")
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 0\n")
+    for f in (fake_py, smi):
+        f.chmod(0o755)
+    root = _checkout(tmp_path, "device")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PY": str(fake_py), "OUT": str(tmp_path / "gs"),
+           "ARCH": "sm90", "POOL_OF": "", "FIXTURE": "", "REAL_OVERLAYS": "gpu24", "PROTOCOL": "bench/cells/ladder-64.toml",
+           "LADDER": "p16k:OVERLAYS=gpu24,long-steps PROTOCOL=bench/cells/prefill-16k.toml PREFILL_ATTN=int8;fp16:INT8_ACT="}
+    r = _bash(root, "set --; source bench/scripts/gpu_session.sh; step_ladder", env)
+    assert r.returncode == 0, r.stderr
+    lines = calls.read_text().splitlines()
+    p16k = [line for line in lines if "PREFILL_ATTN=int8" in line]
+    fp16 = [line for line in lines if "INT8_ACT=" in line and "PREFILL_ATTN" not in line]
+    assert any(" serve " in line for line in p16k) and any(" serve " in line for line in fp16)
+    for line in p16k:
+        assert "--overlay gpu24 --overlay long-steps" in line and "OVERLAYS" not in line and "PROTOCOL" not in line
+    for line in fp16:
+        assert "long-steps" not in line and "--overlay gpu24" in line
+    benches = [line for line in lines if " bench " in line]
+    assert [b.split("--protocol ")[1].split()[0] for b in benches] == ["bench/cells/prefill-16k.toml",
+                                                                        "bench/cells/ladder-64.toml"]

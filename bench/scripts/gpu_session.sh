@@ -24,7 +24,8 @@
 #              (pool and concurrency vs the planner), one ladder cell, stop (files in OUT/real/)
 #   ladder     the same for each rung of LADDER ("name:KNOB=v ...;name:..."; the reference's five by
 #              default, the profile's own first; MAX_SEQS=fit: the seats the plan has room for),
-#              verifying the first only; files in OUT/<name>/;
+#              verifying the first only; files in OUT/<name>/; a rung's OVERLAYS=a,b and PROTOCOL=file
+#              replace REAL_OVERLAYS and PROTOCOL for that rung (e.g. the 16k prefill under long-steps);
 #              with PACK set, OUT is packed after each rung (a caller polling from outside sees progress)
 # DEADLINE (epoch seconds) stops the ladder before a rung that would not end ~RUNG_S (default 300) seconds
 # before it: a window's last minutes go to fetching files and caches, not to a rung cut in the middle.
@@ -150,13 +151,17 @@ serve_cell() {
   local d="$OUT/$name" a s sets=() ovl=() pid t0 log
   a=$(arch); mkdir -p "$d"; log="$d/serve.log"
   local dabs; dabs=$(cd "$d" && pwd); touch "$dabs/.start"  # this cell's files are the ones newer than this
-  for s in $REAL_OVERLAYS; do ovl+=(--overlay "$s"); done
   [ -n "$FIXTURE" ] && sets+=(--set MODEL="$FIXTURE" --set SERVED_NAME="${SERVED:-fixture-${FIXTURE#fixture:}}")
-  local fit=0
+  local fit=0 overlays=$REAL_OVERLAYS protocol=$PROTOCOL
   for s in GPU_ARCH="$a" $REAL_SETS "$@"; do
-    [ "$s" = MAX_SEQS=fit ] && { fit=1; continue; }
-    sets+=(--set "$s")
+    case $s in
+      MAX_SEQS=fit) fit=1 ;;
+      OVERLAYS=*) overlays=${s#OVERLAYS=}; overlays=${overlays//,/ } ;;  # this rung's overlays, comma-separated
+      PROTOCOL=*) protocol=${s#PROTOCOL=} ;;                             # this rung's bench protocol
+      *) sets+=(--set "$s") ;;
+    esac
   done
+  for s in $overlays; do ovl+=(--overlay "$s"); done
   local kv; kv=$(pool_pin --profile "$PROFILE" "${ovl[@]}" "${sets[@]}")
   [ -n "$kv" ] && sets+=(--set KV_MEM="$kv") && echo "$name: KV_MEM=$kv, the $POOL_OF plan's pool" | tee "$d/pool-of.txt"
   if [ $fit = 1 ]; then
@@ -164,7 +169,7 @@ serve_cell() {
     [ -n "$n" ] || { stamp "cell $name: MAX_SEQS=fit: no plan to read the seats from"; return 1; }
     sets+=(--set MAX_SEQS="$n") && echo "$name: MAX_SEQS=$n, the seats the plan has room for" | tee "$d/seats-fit.txt"
   fi
-  stamp "cell $name: $FIXTURE on $a, overlays: $REAL_OVERLAYS, sets: $REAL_SETS $*"
+  stamp "cell $name: $FIXTURE on $a, overlays: $overlays, protocol: $protocol, sets: $REAL_SETS $*"
   inv plan --profile "$PROFILE" "${ovl[@]}" "${sets[@]}" > "$d/plan.txt" 2>&1 || { stamp "cell $name: plan refused"; tail -5 "$d/plan.txt"; return 1; }
   inv plan --profile "$PROFILE" "${ovl[@]}" "${sets[@]}" --json > "$d/plan.json" 2>/dev/null
   t0=$SECONDS
@@ -178,7 +183,7 @@ serve_cell() {
   echo "$name: ready after $((SECONDS - t0)) s (serve's own timing is in serve.log)" | tee "$d/ready.txt"
   [ "${VERIFY:-1}" = 1 ] && inv verify --running --report-dir "$d" > "$d/verify.txt" 2>&1
   [ -f "$d/verify.txt" ] && tail -25 "$d/verify.txt"
-  inv bench --running --protocol "$PROTOCOL" --no-progress > "$d/bench.log" 2>&1
+  inv bench --running --protocol "$protocol" --no-progress > "$d/bench.log" 2>&1
   tail -12 "$d/bench.log"
   kill -TERM $pid; wait $pid  # SIGINT is ignored by a background job of a non-interactive shell
   stamp "cell $name: stopped ($(tail -1 "$log"))"
