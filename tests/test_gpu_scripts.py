@@ -130,9 +130,11 @@ def test_a_rungs_overlays_and_protocol_replace_the_ladders_for_that_rung_only(tm
     for f in (fake_py, smi):
         f.chmod(0o755)
     root = _checkout(tmp_path, "device")
+    ladder = ("p16k:OVERLAYS=gpu24,long-steps PROTOCOL=bench/cells/prefill-16k.toml PREFILL_ATTN=int8;"
+              "fp16:INT8_ACT=")
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PY": str(fake_py), "OUT": str(tmp_path / "gs"),
-           "ARCH": "sm90", "POOL_OF": "", "FIXTURE": "", "REAL_OVERLAYS": "gpu24", "PROTOCOL": "bench/cells/ladder-64.toml",
-           "LADDER": "p16k:OVERLAYS=gpu24,long-steps PROTOCOL=bench/cells/prefill-16k.toml PREFILL_ATTN=int8;fp16:INT8_ACT="}
+           "ARCH": "sm90", "POOL_OF": "", "FIXTURE": "", "REAL_OVERLAYS": "gpu24",
+           "PROTOCOL": "bench/cells/ladder-64.toml", "LADDER": ladder}
     r = _bash(root, "set --; source bench/scripts/gpu_session.sh; step_ladder", env)
     assert r.returncode == 0, r.stderr
     lines = calls.read_text().splitlines()
