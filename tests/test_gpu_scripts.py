@@ -117,9 +117,11 @@ done
 
 
 def test_a_rungs_overlays_and_protocol_replace_the_ladders_for_that_rung_only(tmp_path):
-    """OVERLAYS=a,b and PROTOCOL=file in a rung reach that rung's plan, serve and bench (the 16k prefill
-    under long-steps beside ladder rungs under gpu24 alone) and are not passed on as knobs; the next rung
-    gets REAL_OVERLAYS and PROTOCOL again. python is a stand-in that records its arguments."""
+    """OVERLAYS=a,b, PROTOCOL=file and POOL_OF= in a rung reach that rung's plan, serve and bench (the 16k
+    prefill under long-steps, its pool left to vLLM's profiling, beside ladder rungs under gpu24 alone on
+    the pinned 3090 pool) and are not passed on as knobs; the next rung gets REAL_OVERLAYS, PROTOCOL and
+    POOL_OF again. python is a stand-in that records its arguments (the pin's plan prints no JSON: the
+    stand-in's KV_MEM is empty, so the pin shows as pool_pin's plan call, not as a KV_MEM set)."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
     bin_dir.mkdir()
     fake_py = bin_dir / "fake-python"
@@ -130,10 +132,10 @@ def test_a_rungs_overlays_and_protocol_replace_the_ladders_for_that_rung_only(tm
     for f in (fake_py, smi):
         f.chmod(0o755)
     root = _checkout(tmp_path, "device")
-    ladder = ("p16k:OVERLAYS=gpu24,long-steps PROTOCOL=bench/cells/prefill-16k.toml PREFILL_ATTN=int8;"
+    ladder = ("p16k:OVERLAYS=gpu24,long-steps PROTOCOL=bench/cells/prefill-16k.toml POOL_OF= PREFILL_ATTN=int8;"
               "fp16:INT8_ACT=")
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PY": str(fake_py), "OUT": str(tmp_path / "gs"),
-           "ARCH": "sm90", "POOL_OF": "", "FIXTURE": "", "REAL_OVERLAYS": "gpu24",
+           "ARCH": "sm90", "POOL_OF": "rtx3090", "FIXTURE": "", "REAL_OVERLAYS": "gpu24",
            "PROTOCOL": "bench/cells/ladder-64.toml", "LADDER": ladder}
     r = _bash(root, "set --; source bench/scripts/gpu_session.sh; step_ladder", env)
     assert r.returncode == 0, r.stderr
@@ -145,6 +147,8 @@ def test_a_rungs_overlays_and_protocol_replace_the_ladders_for_that_rung_only(tm
         assert "--overlay gpu24 --overlay long-steps" in line and "OVERLAYS" not in line and "PROTOCOL" not in line
     for line in fp16:
         assert "long-steps" not in line and "--overlay gpu24" in line
+    pins = [line for line in lines if " plan " in line and "--gpu rtx3090" in line]
+    assert pins and all("PREFILL_ATTN" not in line for line in pins)
     benches = [line for line in lines if " bench " in line]
     assert [b.split("--protocol ")[1].split()[0] for b in benches] == ["bench/cells/prefill-16k.toml",
                                                                         "bench/cells/ladder-64.toml"]

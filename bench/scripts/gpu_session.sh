@@ -25,7 +25,8 @@
 #   ladder     the same for each rung of LADDER ("name:KNOB=v ...;name:..."; the reference's five by
 #              default, the profile's own first; MAX_SEQS=fit: the seats the plan has room for),
 #              verifying the first only; files in OUT/<name>/; a rung's OVERLAYS=a,b and PROTOCOL=file
-#              replace REAL_OVERLAYS and PROTOCOL for that rung (e.g. the 16k prefill under long-steps);
+#              replace REAL_OVERLAYS and PROTOCOL for that rung (e.g. the 16k prefill under long-steps), and
+#              POOL_OF= (empty) leaves its pool to vLLM's memory profiling, whose log gives the activation peak;
 #              with PACK set, OUT is packed after each rung (a caller polling from outside sees progress)
 # DEADLINE (epoch seconds) stops the ladder before a rung that would not end ~RUNG_S (default 300) seconds
 # before it: a window's last minutes go to fetching files and caches, not to a rung cut in the middle.
@@ -158,6 +159,7 @@ serve_cell() {
       MAX_SEQS=fit) fit=1 ;;
       OVERLAYS=*) overlays=${s#OVERLAYS=}; overlays=${overlays//,/ } ;;  # this rung's overlays, comma-separated
       PROTOCOL=*) protocol=${s#PROTOCOL=} ;;                             # this rung's bench protocol
+      POOL_OF=*) local POOL_OF=${s#POOL_OF=} ;;  # empty: vLLM profiles memory (its log: the activation peak)
       *) sets+=(--set "$s") ;;
     esac
   done
