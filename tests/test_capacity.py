@@ -564,6 +564,20 @@ def test_a_pool_on_a_card_the_overheads_were_not_fitted_on_is_called_an_estimate
     assert not [w for w in exact.budget.warnings if "fitted on" in w]
 
 
+def test_a_plan_with_longer_steps_than_the_fit_is_warned_that_its_pool_is_smaller():
+    """The runtime overhead was fitted at 2,048-token steps; the long-steps overlay (16,384) makes vLLM's profile
+    run measure a larger activation peak, so its pool is warned about (the default's is not), and KV_MEM, which
+    vLLM takes as it is, silences it. The step is read from the plan's own command line."""
+    long = resolve("batch", ["long-steps"], platform="gpu", environ={})
+    assert report.step_tokens(long.argv) == 16384
+    assert report.step_tokens(resolve("batch", platform="gpu", environ={}).argv) == 2048
+    warned = [w for w in report.for_plan(long, RTX3090).budget.warnings if "fitted at 2,048" in w]
+    assert warned and "steps 16,384 tokens" in warned[0] and "smaller pool" in warned[0]
+    assert not [w for w in budget().warnings if "fitted at" in w]
+    pinned = resolve("batch", ["long-steps"], platform="gpu", environ={}, sets={"KV_MEM": "7G"})
+    assert not [w for w in report.for_plan(pinned, RTX3090).budget.warnings if "fitted at" in w]
+
+
 def test_the_log_reader_takes_the_last_report_and_none_for_a_missing_line():
     from rig import enginelog
 

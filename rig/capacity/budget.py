@@ -66,8 +66,13 @@ def num_spec(knobs: dict[str, Any]) -> int:
     return knobs["SPEC_K"] if knobs["SPEC"] != "off" else 0
 
 
-def plan_budget(knobs: dict[str, Any], platform: str, s: Shape, card: cards.Card | None, root: Path) -> Budget:
-    """The whole memory picture of a plan; ``card`` is None on the cpu platform."""
+def plan_budget(knobs: dict[str, Any], platform: str, s: Shape, card: cards.Card | None, root: Path,
+                step_tokens: int = 0) -> Budget:
+    """The whole memory picture of a plan; ``card`` is None on the cpu platform.
+
+    ``step_tokens`` is the plan's max_num_batched_tokens (0: vLLM's default), which sizes the
+    activation peak vLLM's profile run measures; the runtime overhead was fitted at one step size.
+    """
     w = weights.count(s)
     tp_pp = knobs["TP"] * knobs["PP"]
     weight_bytes = (w.loaded(with_mtp=knobs["SPEC"] == "mtp") + drafter_bytes(knobs, root)) // tp_pp
@@ -87,6 +92,12 @@ def plan_budget(knobs: dict[str, Any], platform: str, s: Shape, card: cards.Card
             b.warnings.append(f"the runtime overhead ({_gib(runtime)}) was fitted on the {ov['calibrated_on']}'s "
                               f"published pool, not measured on the {card.name}: its pool is an estimate; "
                               "KV_MEM (bytes) makes it exact")
+        step_fit = int(ov["calibrated_step_tokens"])
+        if not knobs["KV_MEM"] and step_tokens > step_fit:
+            b.warnings.append(f"this plan steps {step_tokens:,} tokens (max_num_batched_tokens) and the runtime "
+                              f"overhead was fitted at {step_fit:,}: vLLM's profile run measures a larger "
+                              "activation peak for longer steps and leaves a smaller pool than planned (not "
+                              "modelled); KV_MEM (bytes) makes the pool exact")
         if weight_bytes + runtime >= requested:
             b.errors.append(f"the weights alone ({_gib(weight_bytes)}) and the runtime overhead ({_gib(runtime)}) "
                             f"exceed GPU_UTIL={knobs['GPU_UTIL']} of the {card.name}'s {_gib(card.memory_bytes)} "

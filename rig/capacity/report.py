@@ -65,6 +65,17 @@ def kv_table(s: shape.Shape, tp: int) -> dict[str, int]:
     return table
 
 
+def step_tokens(argv: list[str]) -> int:
+    """The plan's --max-num-batched-tokens (0 when vLLM's default applies), read from its command line."""
+    flag = "--max-num-batched-tokens"
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith(flag + "="):
+            return int(a.split("=", 1)[1])
+    return 0
+
+
 def for_plan(plan: Plan, card: cards.Card | None, context: int | None = None) -> Report:
     """Everything the planner predicts for a resolved plan on ``card`` (None: the cpu platform)."""
     k = plan.knobs
@@ -82,7 +93,7 @@ def for_plan(plan: Plan, card: cards.Card | None, context: int | None = None) ->
     one_more = pages.state_bytes(s, k["MAMBA_SSM_DTYPE"], k["TP"], 1)
     per_draft = (one_more["conv"] - base["conv"]) * s.gdn_layers + pages.mamba_page_bytes(
         s, k["MAMBA_SSM_DTYPE"], k["TP"], 1) * s.gdn_layers  # a conv row + a state block per group's layers
-    b = budget.plan_budget(k, plan.platform, s, card, paths.ROOT)
+    b = budget.plan_budget(k, plan.platform, s, card, paths.ROOT, step_tokens(plan.argv))
     w = weights.count(s)
     kvt = kv_table(s, k["TP"])
     roof = None
