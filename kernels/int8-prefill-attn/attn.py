@@ -181,6 +181,58 @@ def _attn_fwd(Q, QS, K, KS, V, OUT, CU_SEQLENS, qk_scale,
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit
+def _attn_fwd_prefix(Q, QS, K, KS, V, OUT, CU_SEQLENS_Q, CU_SEQLENS_K, qk_scale,
+                     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_attn_fwd`` for a later chunk of a prompt: a sequence's queries are its last ``q_len`` positions and
+    its keys are the cached prefix then the chunk (``k_len`` >= ``q_len``), so query row m sits at
+    ctx + m (ctx = k_len − q_len) and sees keys 0 .. ctx + m (bottom-right causal alignment).
+
+    Key tiles wholly left of the tile's first position skip the masks; the masked run starts at the
+    BLOCK_N boundary at or below it, since ctx need not be a multiple of BLOCK_N. With ctx = 0 it
+    visits the same tiles as ``_attn_fwd``. ``_attend_tile`` is shared: its row positions are ctx + m.
+    """
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(CU_SEQLENS_Q + seq).to(tl.int64)
+    q_len = (tl.load(CU_SEQLENS_Q + seq + 1) - q_start).to(tl.int32)
+    k_start = tl.load(CU_SEQLENS_K + seq).to(tl.int64)
+    k_len = (tl.load(CU_SEQLENS_K + seq + 1) - k_start).to(tl.int32)
+    m_start = tile * BLOCK_M
+    if m_start >= q_len:
+        return
+    ctx = k_len - q_len
+    kv_head = head // (NUM_Q_HEADS // NUM_KV_HEADS)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < q_len
+    rows = q_start + offs_m
+    q = tl.load(Q + (rows[:, None] * NUM_Q_HEADS + head) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0)
+    q_row = tl.load(QS + rows * NUM_Q_HEADS + head, mask=row_ok, other=0.0) * qk_scale
+    kv_off = k_start * NUM_KV_HEADS + kv_head
+    k_base = K + kv_off * HEAD_DIM
+    v_base = V + kv_off * HEAD_DIM
+    ks_base = KS + kv_off
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    pos = ctx + offs_m
+    first = ctx + m_start
+    masked_from = (first // BLOCK_N) * BLOCK_N
+    for start_n in range(0, masked_from, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_row, k_base, ks_base, v_base, start_n, pos, offs_n,
+                                     offs_d, k_len, NUM_KV_HEADS, HEAD_DIM, False)
+    for start_n in range(masked_from, tl.minimum(first + BLOCK_M, k_len), BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_row, k_base, ks_base, v_base, start_n, pos, offs_n,
+                                     offs_d, k_len, NUM_KV_HEADS, HEAD_DIM, True)
+    out = acc / l_i[:, None]
+    o_ptrs = OUT + (rows[:, None] * NUM_Q_HEADS + head) * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
 def _interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (CPU tensors are then allowed: Triton runs the kernel in numpy)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -297,6 +349,37 @@ def int8_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     scale = reference.default_sm_scale(q.shape[2]) if sm_scale is None else sm_scale
     q_i8, q_scale, k_i8, k_scale = prepass()(q, k, cu_seqlens, max_seqlen, checked=True)
     return _launch(q_i8, q_scale, k_i8, k_scale, v, cu_seqlens, max_seqlen, scale, out)
+
+
+def int8_prefill_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                  cu_seqlens_k: torch.Tensor, max_seqlen_q: int, sm_scale: float | None = None,
+                                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """A later chunk of each prompt over its cached prefix: q [Tq, Hq, D] the chunks' queries, k and v
+    [Tk, Hkv, D] each sequence's prefix keys then its chunk's (contiguous, in v's dtype), ``cu_seqlens_k``
+    their offsets. Query i of a sequence with ``ctx`` = keys − queries sees keys 0 .. ctx + i.
+
+    The pre-pass is ``reference.smooth_quant_prefix`` in torch (K's mean over the prefix and the chunk);
+    the CUDA pre-pass has no prefix form yet. Checked once, before anything is launched.
+    """
+    reference.check_prefix(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+    _check_attention(v, cu_seqlens_k, k.shape, None)
+    _check_attention(q, cu_seqlens_q, q.shape, out)
+    if v.dtype != q.dtype:
+        raise ValueError(f"v ({v.dtype}) must have q's dtype ({q.dtype})")
+    scale = reference.default_sm_scale(q.shape[2]) if sm_scale is None else sm_scale
+    q_i8, q_scale, k_i8, k_scale = reference.smooth_quant_prefix(q, k, cu_seqlens_q, cu_seqlens_k)
+    tokens, hq, head_dim = q.shape
+    if out is None:
+        out = torch.empty(tokens, hq, head_dim, dtype=v.dtype, device=v.device)
+    if tokens == 0:
+        return out
+    t = tiles_for(_family_of(v.device), head_dim)
+    grid = (triton.cdiv(int(max_seqlen_q), t.block_m), hq, cu_seqlens_q.numel() - 1)
+    with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
+        _attn_fwd_prefix[grid](q_i8, q_scale, k_i8, k_scale, v, out, cu_seqlens_q, cu_seqlens_k,
+                               float(scale) * LOG2E, NUM_Q_HEADS=hq, NUM_KV_HEADS=k.shape[1], HEAD_DIM=head_dim,
+                               BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
 
 
 def warmup(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

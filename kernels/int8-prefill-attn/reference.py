@@ -256,6 +256,104 @@ def attention_int8_ref(q_i8: torch.Tensor, q_scale: torch.Tensor, k_i8: torch.Te
     return out
 
 
+# ------------------------------------------------------------------------------------------------
+# A later chunk: queries over a cached prefix (bottom-right causal alignment)
+
+
+def check_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
+                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int) -> None:
+    """``check_varlen`` for a chunk over a prefix: q [Tq, Hq, D] with ``cu_seqlens_q``, k and v [Tk, Hkv, D]
+    (each sequence's cached prefix, then the chunk's own keys) with ``cu_seqlens_k``, one entry per
+    sequence in both. Each sequence must have at least as many keys as queries: checked here only where
+    the offsets are on the CPU (reading device values would synchronise; the caller plans from CPU copies).
+    """
+    check_varlen(q, q, None, cu_seqlens_q, max_seqlen_q)
+    if k.dim() != 3 or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"k {tuple(k.shape)} must be [keys, kv heads, head_dim] with q's head_dim and a divisor of "
+                         f"its heads (q {tuple(q.shape)})")
+    if v is not None and v.shape != k.shape:
+        raise ValueError(f"v {tuple(v.shape)} must have k's shape {tuple(k.shape)}")
+    if cu_seqlens_k.dtype != torch.int32 or cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k must be int32 {tuple(cu_seqlens_q.shape)} like cu_seqlens_q; got "
+                         f"{cu_seqlens_k.dtype} {tuple(cu_seqlens_k.shape)}")
+    for name, t in (("k", k), ("v", v), ("cu_seqlens_k", cu_seqlens_k)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: all inputs must share one device")
+    if cu_seqlens_q.device.type == "cpu":
+        short = (_lengths(cu_seqlens_k) < _lengths(cu_seqlens_q)).nonzero().flatten().tolist()
+        if short:
+            raise ValueError(f"sequence {short[0]} has fewer keys than queries: cu_seqlens_k must count each "
+                             "sequence's cached prefix and its chunk (keys >= queries)")
+
+
+def smooth_quant_prefix(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                        block: int = QUANT_BLOCK, smooth: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pre-pass of a chunk over a prefix: Q in blocks from each chunk's start, K smoothed by the mean over
+    all of its sequence's keys (prefix and chunk) and quantized in blocks from the sequence's first key.
+
+    With no prefix (``cu_seqlens_k`` equal to ``cu_seqlens_q``, the same tokens) it is ``smooth_quant``.
+    """
+    if block < 1:
+        raise ValueError(f"block must be >= 1; got {block}")
+    wk = _token_blocks(cu_seqlens_k, block)
+    ks = k.float()
+    if smooth and k.shape[0] > 0:
+        ks = ks - channel_mean(k, cu_seqlens_k, block, wk)[wk["seq"]]
+    q_i8, q_scale = quantize_blocks(q.float(), cu_seqlens_q, block)
+    k_i8, k_scale = quantize_blocks(ks, cu_seqlens_k, block, wk)
+    return q_i8, q_scale, k_i8, k_scale
+
+
+def _prefix_rows(q_shape: torch.Size, k: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, budget_bytes: int):
+    """Per sequence and chunk of query rows: (the rows, their causal mask, the keys they see, the GQA group),
+    chunks sized so one chunk's fp32 scores over all of the sequence's keys stay within ``budget_bytes``."""
+    group = q_shape[1] // k.shape[1]
+    for (a, b), (c, d) in zip(zip(cu_q.tolist()[:-1], cu_q.tolist()[1:], strict=True),
+                              zip(cu_k.tolist()[:-1], cu_k.tolist()[1:], strict=True), strict=True):
+        ctx = (d - c) - (b - a)
+        step = _rows_per_chunk(d - c, q_shape[1], budget_bytes)
+        for s in range(0, b - a, step):
+            e = min(b - a, s + step)
+            keys = ctx + e
+            rows = torch.arange(ctx + s, ctx + e, device=k.device)[:, None]
+            mask = torch.arange(keys, device=k.device)[None, :] <= rows
+            yield slice(a + s, a + e), mask, slice(c, c + keys), group
+
+
+def attention_prefix_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, sm_scale: float | None = None,
+                         budget_bytes: int = 1 << 30) -> torch.Tensor:
+    """Exact attention of a chunk over its prefix in fp32 → [Tq, Hq, D]: query i of a sequence with ``ctx``
+    cached keys sits at position ctx + i and sees keys 0 .. ctx + i (the accuracy tests' yardstick)."""
+    check_prefix(q, k, v, cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), 1)
+    scale = default_sm_scale(q.shape[2]) if sm_scale is None else sm_scale
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for rows, mask, keys, group in _prefix_rows(q.shape, k, cu_seqlens_q, cu_seqlens_k, budget_bytes):
+        kf = k[keys].float().repeat_interleave(group, dim=1)
+        vf = v[keys].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), kf) * scale
+        scores.masked_fill_(~mask, float("-inf"))
+        out[rows] = _attend(scores, vf, None)
+    return out
+
+
+def attention_prefix_int8_ref(q_i8: torch.Tensor, q_scale: torch.Tensor, k_i8: torch.Tensor, k_scale: torch.Tensor,
+                              v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                              sm_scale: float, budget_bytes: int = 1 << 30) -> torch.Tensor:
+    """The prefix kernel's arithmetic in torch (as ``attention_int8_ref`` for a chunk over its prefix)."""
+    out = torch.empty(q_i8.shape, dtype=torch.float32, device=q_i8.device)
+    for rows, mask, keys, group in _prefix_rows(q_i8.shape, k_i8, cu_seqlens_q, cu_seqlens_k, budget_bytes):
+        kf = k_i8[keys].float().repeat_interleave(group, dim=1)
+        kscale = k_scale[keys].repeat_interleave(group, dim=1)
+        vf = v[keys].float().repeat_interleave(group, dim=1)
+        dots = torch.einsum("qhd,khd->hqk", q_i8[rows].float(), kf)
+        scores = dots * (q_scale[rows] * sm_scale).t()[:, :, None] * kscale.t()[:, None, :]
+        scores.masked_fill_(~mask, float("-inf"))
+        out[rows] = _attend(scores, vf, v.dtype)
+    return out
+
+
 def rel_err_per_head(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """‖out − ref‖ / ‖ref‖ per head over all tokens, in fp64 → [H] (the accuracy bound's measure)."""
     diff = (out.double() - ref.double()).pow(2).sum(dim=(0, 2)).sqrt()
