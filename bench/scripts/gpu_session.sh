@@ -83,7 +83,7 @@ step_kernels() {
   local a; a=$(arch)
   stamp "kernels ($a)"
   inv kernels.build --arch "$a" 2>&1 | tee "$OUT/kernels-build.log"
-  "$PY" -m pytest -q -m gpu tests/test_kernel_int8_attn.py tests/test_kernels_build.py -rA -p no:cacheprovider 2>&1 | tee "$OUT/kernels-pytest.log" | tail -25
+  "$PY" -m pytest -q -m gpu tests/test_kernel_int8_attn.py tests/test_kernel_int8_prefix.py tests/test_kernels_build.py -rA -p no:cacheprovider 2>&1 | tee "$OUT/kernels-pytest.log" | tail -25
   "$PY" bench/scripts/prefill_attn_bench.py --json "$OUT/prefill_attn.json" 2>&1 | tee "$OUT/prefill_attn.txt"
   keep_triton_cache
 }
