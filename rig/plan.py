@@ -26,8 +26,9 @@ KEEP_MAX_ENV = "VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS_MAX"
 FP8_ACT_ARCHS = ("sm89", "sm120")
 # The shortest prompt at which rig's int8 prefill attention (pre-pass + kernel) measured faster than
 # FlashAttention: 1.19x at 4,096 tokens, 0.83x at 2,048, 0.57x at 1,024 (H100, 2026-12-05,
-# kernels/int8-prefill-attn/README.md). It gets a prompt only where a step starts it (fresh prefills:
-# the whole prompt or its first chunk), so a step budget below this never hands it enough to pay.
+# kernels/int8-prefill-attn/README.md). It gets a prompt a step at a time (the whole prompt or its first
+# chunk fresh; later chunks of 512+ queries over their cached prefix, not yet measured on a GPU), so a
+# step budget below this never hands it a fresh piece long enough to pay.
 INT8_PREFILL_PAYS_FROM = 4096
 
 # vLLM 0.28's quantized KV caches that only one CUDA attention backend runs: dtype -> (that backend, the oldest
@@ -223,12 +224,13 @@ def rules(k: Knobs, pf: profiles.ProfileFile, platform: str) -> tuple[list[str],
                         f"{fix['SERVED_NAME']!r} so no result mistakes it for a model")
     chunk = int(pf.serve.get("max_num_batched_tokens") or 0)
     if platform == "gpu" and k.PREFILL_ATTN == "int8" and 0 < chunk < INT8_PREFILL_PAYS_FROM:
-        warnings.append(f"PREFILL_ATTN='int8' gets a prompt's tokens only where a step starts it (the whole prompt "
-                        f"or its first chunk), and this profile's steps take {chunk:,} tokens "
-                        f"(max_num_batched_tokens), so it never gets more: at 2,048 tokens and below the int8 "
-                        f"path measured slower than FlashAttention (0.83x at 2,048, H100), faster from "
-                        f"{INT8_PREFILL_PAYS_FROM:,} (kernels/int8-prefill-attn/README.md); keep 'auto' unless "
-                        f"the profile's steps take at least {INT8_PREFILL_PAYS_FROM:,} tokens")
+        warnings.append(f"PREFILL_ATTN='int8' gets a prompt's tokens a step at a time (its first chunk fresh, later "
+                        f"chunks over their cached prefix), and this profile's steps take {chunk:,} tokens "
+                        f"(max_num_batched_tokens): a fresh piece of 2,048 tokens or fewer measured slower than "
+                        f"FlashAttention (0.83x at 2,048, H100), faster from {INT8_PREFILL_PAYS_FROM:,}, and "
+                        f"later chunks over a prefix are not measured on a GPU yet "
+                        f"(kernels/int8-prefill-attn/README.md); keep 'auto' unless the profile's steps take at "
+                        f"least {INT8_PREFILL_PAYS_FROM:,} tokens")
     if k.HOST not in LOOPBACK:
         warnings.append(f"HOST={k.HOST!r} is reachable from the network: every request needs the API key")
     if k.TOOLS and k.TOOL_PARSER == "hermes":

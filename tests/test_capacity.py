@@ -326,7 +326,7 @@ def test_inv_plan_prints_json_and_exits_2_for_a_plan_that_cannot_start():
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)  # the plan's warnings go to stderr, as serve prints them
     assert data["budget"]["pool"]["reported_tokens"] == 223_821 and data["roofline"]["decode_tok_s"] > 0
-    assert "rig: warning: PREFILL_ATTN='int8' gets a prompt's tokens only where a step starts it" in r.stderr
+    assert "rig: warning: PREFILL_ATTN='int8' gets a prompt's tokens a step at a time" in r.stderr
     r = subprocess.run([INV, "plan", "--gpu", "rtx3090", "--set", "MAMBA_SSM_DTYPE=float32"], cwd=paths.ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "refused: MAX_SEQS=64" in r.stdout

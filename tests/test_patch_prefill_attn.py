@@ -67,6 +67,15 @@ def int8_prefill_attention(q, k, v, cu_seqlens, max_seqlen, sm_scale=None, out=N
         return result
     out.copy_(result)
     return out
+
+def int8_prefill_attention_prefix(q, k, v, cu_q, cu_k, max_seqlen_q, sm_scale=None, out=None):
+    CALLS.append(("prefix", tuple(q.shape), tuple(k.shape), cu_q.tolist(), cu_k.tolist(), max_seqlen_q, sm_scale))
+    q_i8, q_scale, k_i8, k_scale = reference.smooth_quant_prefix(q, k, cu_q, cu_k)
+    result = reference.attention_prefix_int8_ref(q_i8, q_scale, k_i8, k_scale, v, cu_q, cu_k, sm_scale).to(v.dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 '''
 
 
@@ -368,6 +377,56 @@ def test_forward_leaves_the_leading_rows_to_flash_attention_with_sliced_metadata
     expected = ref_mod.attention_int8_ref(q_i8, qs, k_i8, ks, v[17:].contiguous(), cu, SCALE).to(torch.bfloat16)
     assert torch.equal(out[17:], expected)
     assert route.stats()["routed_tokens"] == 49
+
+
+def test_a_long_later_chunk_is_routed_with_its_prefix_read_from_the_paged_cache(reference_kernels, monkeypatch):
+    """A decode, a 600-token chunk over a 100-token prefix and a fresh 9-token prompt: the chunk and the prompt go
+    to the prefix kernel with their keys gathered from FlashAttention's paged cache (blocks of 16, scattered,
+    where vLLM wrote the prefix and this step's keys) and match attention over the whole sequences; the
+    decode stays on FlashAttention. A 511-token chunk (below CHUNK_MIN_QUERIES) is not routed."""
+    route = _route()
+    route.reset()
+    assert route.CHUNK_MIN_QUERIES == 512
+    impl = _impl()
+    seen = {}
+    monkeypatch.setattr(fa, "flash_attn_varlen_func", lambda **kw: seen.update(kw), raising=False)
+    query_lens, seq_lens, bs = [1, 600, 9], [40, 700, 9], 16
+    gen = torch.Generator().manual_seed(7)
+    whole = [torch.randn(n, HKV, D, generator=gen).to(torch.bfloat16) for n in seq_lens for _ in (0, 1)]
+    ks, vs = whole[0::2], whole[1::2]
+    blocks_per = [(n + bs - 1) // bs for n in seq_lens]
+    ids = torch.randperm(sum(blocks_per) + 5, generator=gen)[:sum(blocks_per)] + 1  # scattered; block 0 unused
+    table = torch.zeros(len(seq_lens), max(blocks_per), dtype=torch.int32)
+    cache = torch.zeros(sum(blocks_per) + 6, HKV, bs, 2 * D, dtype=torch.bfloat16)  # vLLM 0.28's (B, H, N, 2*D)
+    at = 0
+    for i, n in enumerate(seq_lens):
+        table[i, :blocks_per[i]] = ids[at:at + blocks_per[i]]
+        at += blocks_per[i]
+        for pos in range(n):
+            cache[table[i, pos // bs], :, pos % bs] = torch.cat([ks[i][pos], vs[i][pos]], dim=-1)
+    q = torch.randn(sum(query_lens), HQ, D, generator=gen).to(torch.bfloat16)
+    k_step = torch.cat([x[-n:] for x, n in zip(ks, query_lens, strict=True)])
+    v_step = torch.cat([x[-n:] for x, n in zip(vs, query_lens, strict=True)])
+    cm = _common(query_lens, seq_lens)
+    cm.block_table_tensor = table
+    md = _fa_metadata(cm)
+    md.rig_prefill = route.plan_flash_attn(cm, md)
+    layer = SimpleNamespace(layer_name="model.layers.3.self_attn.attn", _q_scale=torch.ones(1),
+                            _k_scale=torch.ones(1), _v_scale=torch.ones(1), kv_cache=cache)
+    out = torch.full((q.shape[0], HQ, D), float("nan"), dtype=torch.bfloat16)
+    impl.vllm_flash_attn_version = 2
+    impl.forward(layer, q, k_step, v_step, cache, md, out)
+    calls = [c for c in sys.modules[ATTN_MODULE].CALLS if c[0] == "prefix"]
+    assert calls == [("prefix", (609, HQ, D), (709, HKV, D), [0, 600, 609], [0, 700, 709], 600, SCALE)]
+    assert seen["q"].shape[0] == 1 and seen["cu_seqlens_q"].tolist() == [0, 1]  # the decode: FlashAttention's
+    ref_mod = sys.modules[ATTN_MODULE].reference
+    cu_q, cu_k = torch.tensor([0, 600, 609], dtype=torch.int32), torch.tensor([0, 700, 709], dtype=torch.int32)
+    exact = ref_mod.attention_prefix_ref(q[1:], torch.cat(ks[1:]), torch.cat(vs[1:]), cu_q, cu_k, SCALE)
+    err = ref_mod.rel_err_per_head(out[1:].float(), exact)
+    assert not out[1:].isnan().any() and err.max() < 2e-2, err
+    assert route.stats()["routed_with_prefix"] == 1 and route.stats()["routed_tokens"] == 609
+    short = _common([1, 511, 9], [40, 611, 9])
+    assert route.plan_flash_attn(short, _fa_metadata(short)).first == 2  # the fresh prompt only
 
 
 def test_forward_of_an_ineligible_layer_runs_flash_attention_whole(reference_kernels, monkeypatch):

@@ -306,15 +306,15 @@ def test_int8_prefill_is_refused_with_a_cache_whose_backend_it_does_not_hook(kv)
 
 
 def test_int8_prefill_warns_when_the_profiles_steps_are_too_short_for_it_to_pay():
-    """PREFILL_ATTN=int8 gets a prompt only where a step starts it (whole, or its first chunk), so a 2,048-token
-    step budget never gives it the 4,096 tokens where it first measured faster; the plan says so (and still
-    runs it: the user asked)."""
+    """PREFILL_ATTN=int8 gets a prompt a step at a time (its first chunk fresh, later ones over their prefix), so a
+    2,048-token step budget never gives it the 4,096 fresh tokens where it first measured faster; the plan says
+    so (and still runs it: the user asked)."""
     from rig.plan import INT8_PREFILL_PAYS_FROM
 
     plan = resolve("batch", (), "gpu", environ={}, sets={"PREFILL_ATTN": "int8"})
     chunk = int(plan.argv[plan.argv.index("--max-num-batched-tokens") + 1])
     assert chunk < INT8_PREFILL_PAYS_FROM
-    start = "PREFILL_ATTN='int8' gets a prompt's tokens only where a step starts it"
+    start = "PREFILL_ATTN='int8' gets a prompt's tokens a step at a time"
     hits = [w for w in plan.warnings if w.startswith(start)]
     assert len(hits) == 1 and f"steps take {chunk:,} tokens" in hits[0] and "keep 'auto'" in hits[0]
     assert not any("PREFILL_ATTN" in w for w in resolve("batch", (), "gpu", environ={}).warnings)

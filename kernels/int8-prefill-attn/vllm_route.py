@@ -11,8 +11,11 @@ unset vLLM never reads this file. The patch calls three functions and keeps no l
 * ``plan_flash_attn`` / ``plan_flashinfer`` once per step in the metadata builder: from the
   step's CPU copies of the query start offsets and sequence lengths, which requests are fresh
   prefills (query length == sequence length: no cached prefix, no earlier chunk, not a
-  decode). FlashAttention computes every row in one call, so the fresh prefills at the end of
-  the batch are split off and the rows before them run on FlashAttention with sliced metadata;
+  decode) and, on FlashAttention, later chunks of at least CHUNK_MIN_QUERIES queries over a
+  cached prefix (their keys, prefix and chunk, are then gathered from the layer's paged cache
+  and attended by ``attn.int8_prefill_attention_prefix``). FlashAttention computes every row in
+  one call, so the routable requests at the end of the batch are split off and the rows before
+  them run on FlashAttention with sliced metadata;
   FlashInfer already runs decodes and prefills apart, so its prefill part is routed when every
   prefill row is fresh (one chunked or prefix-cached prefill among them: all stay on FlashInfer);
 * ``StepPlan.route`` in the layer's forward: computes those rows with
@@ -172,10 +175,12 @@ def attach(impl: Any, vllm_config: Any) -> None:
 
 @dataclass
 class StepPlan:
-    """The requests ``[first, last)`` of one step, all fresh prefills, that the int8 kernel computes.
+    """The requests ``[first, last)`` of one step that the int8 kernel computes: fresh prefills and, on
+    FlashAttention, later chunks of at least CHUNK_MIN_QUERIES queries over a cached prefix.
 
     Rows ``[0, first)`` stay on the backend's kernel (FlashAttention runs them with its metadata
-    sliced to them, using the ``rest_*`` maxima); rows from ``last`` on are padding.
+    sliced to them, using the ``rest_*`` maxima); rows from ``last`` on are padding. With a prefix
+    among them (``key_lens`` set) every routed request's keys are read from the paged cache.
     """
 
     first: int
@@ -186,7 +191,13 @@ class StepPlan:
     rest_max_query_len: int
     rest_max_seq_len: int
     query_start_loc: torch.Tensor = field(repr=False)  # the step's device offsets
+    # Later chunks (a cached prefix before the step's queries): the routed requests' key counts (CPU),
+    # None when every routed request is fresh, and their block table rows (device)
+    key_lens: np.ndarray | None = field(default=None, repr=False)
+    block_table: torch.Tensor | None = field(default=None, repr=False)
+    with_prefix: int = 0  # how many of the routed requests have a cached prefix
     _cu: torch.Tensor | None = field(default=None, repr=False)
+    _gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def cu_seqlens(self) -> torch.Tensor:
         """Offsets of the routed requests from 0, on the device (computed once per step)."""
@@ -195,18 +206,41 @@ class StepPlan:
             self._cu = cu if self.first == 0 else cu - self.token_start
         return self._cu
 
+    def gather_index(self, block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block ids, offsets in the block, cu_seqlens_k) of every key of the routed requests, their cached
+        prefix then their chunk, in order: the same for every layer of the step (computed once)."""
+        if self._gather is None:
+            lens = torch.as_tensor(self.key_lens, dtype=torch.int64)
+            seq = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+            pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+            seq, pos = seq.to(device), pos.to(device)
+            blocks = self.block_table[seq, pos // block_size].long()
+            cu_k = torch.zeros(lens.numel() + 1, dtype=torch.int32)
+            cu_k[1:] = torch.cumsum(lens, 0)
+            self._gather = (blocks, pos % block_size, cu_k.to(device))
+        return self._gather
+
     def route(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               output: torch.Tensor) -> bool:
         """Compute the routed rows into ``output``; False leaves every row to vLLM's kernel."""
         return route(self, impl, layer, query, key, value, output)
 
 
-def _rows(cm: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | str:
-    """(offsets, query lengths, fresh mask, real request count) from the step's CPU copies, or why not.
+CHUNK_MIN_QUERIES = 512
+"""A request with a cached prefix (a prompt's later chunk, or a prefix-cache hit) is routed from this many
+queries in the step on. Shorter ones (speculative verification, a prompt's short tail) stay on vLLM's kernel:
+routing one re-reads and re-quantizes its whole prefix for few queries. A design choice, not yet tuned on a
+GPU (kernels/int8-prefill-attn/README.md)."""
+
+
+def _rows(cm: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray] | str:
+    """(offsets, query lengths, routable mask, real request count, sequence lengths) from the step's CPU
+    copies, or why not.
 
     A request is fresh when its query length equals its sequence length: the whole prompt is in
-    this step (no prefix cache hit, no earlier chunk) and it is not decoding. Padding rows (CUDA
-    graph padding) have query length 0 and come last.
+    this step (no prefix cache hit, no earlier chunk) and it is not decoding. One with a cached
+    prefix is routable from CHUNK_MIN_QUERIES queries on. Padding rows (CUDA graph padding) have
+    query length 0 and come last.
     """
     if not _STATE["cpu_offsets_exact"]:
         return "adaptive draft verification"
@@ -218,8 +252,10 @@ def _rows(cm: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | str:
     qlen = np.diff(offsets)
     real = np.flatnonzero(qlen > 0)
     n_real = int(real[-1]) + 1 if real.size else 0
-    fresh = (qlen == seq[:n].numpy()) & (qlen > 0)
-    return offsets, qlen, fresh[:n_real], n_real
+    seq_lens = seq[:n].numpy()
+    fresh = (qlen == seq_lens) & (qlen > 0)
+    chunk = (seq_lens > qlen) & (qlen >= CHUNK_MIN_QUERIES)
+    return offsets, qlen, (fresh | chunk)[:n_real], n_real, seq_lens
 
 
 def _common_reason(cm: Any, md: Any) -> str | None:
@@ -232,15 +268,22 @@ def _common_reason(cm: Any, md: Any) -> str | None:
     return None
 
 
-def _plan(cm: Any, first: int, offsets: np.ndarray, qlen: np.ndarray, n_real: int) -> StepPlan:
-    seq = cm.seq_lens_cpu_upper_bound[:first].numpy()
+def _plan(cm: Any, first: int, offsets: np.ndarray, qlen: np.ndarray, n_real: int, seq_lens: np.ndarray,
+          block_table: torch.Tensor | None = None) -> StepPlan:
+    seq = seq_lens[:first]
+    keys = seq_lens[first:n_real]
+    with_prefix = int((keys > qlen[first:n_real]).sum())
+    prefix = with_prefix > 0
     COUNTERS["planned_steps"] += 1
     return StepPlan(
         first=first, last=n_real, token_start=int(offsets[first]), token_end=int(offsets[n_real]),
         max_seqlen=int(qlen[first:n_real].max()),
         rest_max_query_len=int(qlen[:first].max()) if first else 0,
         rest_max_seq_len=int(seq.max()) if first else 0,
-        query_start_loc=cm.query_start_loc)
+        query_start_loc=cm.query_start_loc,
+        key_lens=keys.astype(np.int64) if prefix else None,
+        block_table=block_table[first:n_real] if prefix and block_table is not None else None,
+        with_prefix=with_prefix)
 
 
 def plan_flash_attn(cm: Any, md: Any) -> StepPlan | None:
@@ -259,13 +302,13 @@ def plan_flash_attn(cm: Any, md: Any) -> StepPlan | None:
     if isinstance(rows, str):
         _fallback(rows)
         return None
-    offsets, qlen, fresh, n_real = rows
-    stale = np.flatnonzero(~fresh)
+    offsets, qlen, routable, n_real, seq_lens = rows
+    stale = np.flatnonzero(~routable)
     first = int(stale[-1]) + 1 if stale.size else 0
     if first >= n_real:
         _fallback("no fresh prefill")
         return None
-    return _plan(cm, first, offsets, qlen, n_real)
+    return _plan(cm, first, offsets, qlen, n_real, seq_lens, md.block_table)
 
 
 def plan_flashinfer(cm: Any, md: Any) -> StepPlan | None:
@@ -275,15 +318,15 @@ def plan_flashinfer(cm: Any, md: Any) -> StepPlan | None:
     if isinstance(rows, str):
         _fallback(rows)
         return None
-    offsets, qlen, fresh, n_real = rows
+    offsets, qlen, _, n_real, seq_lens = rows
     first = md.num_decodes
     if first >= n_real:
         _fallback("no fresh prefill")
         return None
-    if not fresh[first:].all():
+    if not (qlen[first:n_real] == seq_lens[first:n_real]).all():  # FlashInfer's later chunks are not routed yet
         _fallback("chunked or prefix-cached prefill")
         return None
-    return _plan(cm, first, offsets, qlen, n_real)
+    return _plan(cm, first, offsets, qlen, n_real, seq_lens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,6 +357,36 @@ def _refusal(impl: Any, query: torch.Tensor, key: torch.Tensor | None, value: to
     return None
 
 
+def _cached_keys(plan: StepPlan, impl: Any, layer: Any, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str:
+    """(k, v, cu_seqlens_k) of the routed requests read from the layer's paged cache — each one's prefix and
+    this step's chunk, which vLLM wrote there before ``forward`` — in ``dtype``; or why they cannot be.
+
+    vLLM 0.28's FlashAttention cache is logically [blocks, kv heads, block_size, 2 × head_dim], K and V
+    packed in the last dim (``layer.kv_cache``, the tensor its forward is given), split here as its
+    forward splits it; an fp8 cache is dequantized with the layer's scalar K and V scales, so the
+    kernel sees the keys FlashAttention would have read.
+    """
+    cache = getattr(layer, "kv_cache", None)
+    if (not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.shape[-1] != 2 * impl.head_size
+            or plan.block_table is None):
+        return "no paged KV cache on the layer"
+    key_cache, value_cache = cache.transpose(1, 2).split(impl.head_size, dim=-1)  # each [blocks, N, H, D]
+    blocks, offsets, cu_k = plan.gather_index(cache.shape[2], cache.device)
+    k, v = key_cache[blocks, offsets], value_cache[blocks, offsets]
+    kv_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
+    if kv_dtype.startswith("fp8"):
+        fp8 = torch.float8_e5m2 if kv_dtype == "fp8_e5m2" else torch.float8_e4m3fn
+        scales = (getattr(layer, "_k_scale", None), getattr(layer, "_v_scale", None))
+        if any(sc is None or sc.numel() != 1 for sc in scales):
+            return "fp8 KV cache without scalar scales"
+        k, v = ((x.view(fp8).to(torch.float32) * sc.to(torch.float32)).to(dtype) for x, sc in zip((k, v), scales,
+                                                                                                   strict=True))
+    elif k.dtype != dtype:
+        return f"KV cache dtype {k.dtype}"
+    return k.contiguous(), v.contiguous(), cu_k
+
+
 def route(plan: StepPlan, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
           output: torch.Tensor) -> bool:
     """Run the plan's rows through ``attn.int8_prefill_attention`` into ``output``; False: vLLM's kernel."""
@@ -327,9 +400,18 @@ def route(plan: StepPlan, impl: Any, layer: Any, query: torch.Tensor, key: torch
         return False
     out = output[t0:t1]
     target = out if out.is_contiguous() and out.dtype == value.dtype else None
-    result = attn_module().int8_prefill_attention(
-        q.contiguous(), key[t0:t1].contiguous(), value[t0:t1].contiguous(), plan.cu_seqlens(), plan.max_seqlen,
-        impl.scale, out=target)
+    if plan.key_lens is not None:
+        kv = _cached_keys(plan, impl, layer, key.dtype)
+        if isinstance(kv, str):
+            _fallback(kv)
+            return False
+        result = attn_module().int8_prefill_attention_prefix(
+            q.contiguous(), kv[0], kv[1], plan.cu_seqlens(), kv[2], plan.max_seqlen, impl.scale, out=target)
+        COUNTERS["routed_with_prefix"] += plan.with_prefix
+    else:
+        result = attn_module().int8_prefill_attention(
+            q.contiguous(), key[t0:t1].contiguous(), value[t0:t1].contiguous(), plan.cu_seqlens(),
+            plan.max_seqlen, impl.scale, out=target)
     if target is None:
         out.copy_(result)
     COUNTERS["routed_calls"] += 1
