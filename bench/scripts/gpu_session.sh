@@ -11,6 +11,7 @@
 #              checked and unpacked into the state folder: the serves start warm
 #   build      inv kernels.build for this GPU's arch, nothing else (what prepass needs)
 #   kernels    inv kernels.build for this GPU's arch, the kernels' GPU tests, the prefill-attention bench
+#   prefix     the int8 prefill kernel over a cached prefix: its GPU test (tests/test_kernel_int8_prefix.py)
 #   prepass    the int8 prefill pre-pass profile (bench/scripts/prefill_prepass_profile.py; after `kernels`)
 #   kvarn      the KVarN kernels' GPU tests and bench/scripts/kvarn_bench.py (issue 14's table)
 #   tier       the GPU tier of the suite (tests/test_gpu.py), RIG_GPU_SETS as set by the caller
@@ -77,6 +78,13 @@ step_build() {
   local a; a=$(arch)
   stamp "build ($a)"
   inv kernels.build --arch "$a" 2>&1 | tee "$OUT/kernels-build.log" | tail -5
+}
+
+# The int8 prefill kernel over a cached prefix (a prompt's later chunk): its GPU test only (~a minute).
+step_prefix() {
+  stamp prefix
+  "$PY" -m pytest -q -m gpu tests/test_kernel_int8_prefix.py -rA -p no:cacheprovider 2>&1 \
+    | tee "$OUT/prefix-pytest.log" | tail -8
 }
 
 step_kernels() {
