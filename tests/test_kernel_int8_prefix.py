@@ -178,3 +178,16 @@ def test_a_2k_chunk_over_a_14k_prefix_on_the_gpu(dtype):
     assert not out.isnan().any(), f"seed {seed}: rows left unwritten"
     err = ref.rel_err_per_head(out.float(), ref.attention_prefix_ref(qc, k, v, cu_q, cu_k)).max().item()
     assert err <= BOUND, f"seed {seed}: max relative error per head {err:.3g}"
+
+
+@pytest.mark.skipif(CHILD, reason="the child runs the interpreter cases only")
+def test_the_chunk_bench_refuses_bad_cases_and_a_host_without_cuda():
+    """bench/scripts/prefill_chunk_bench.py (a GPU window's `chunkbench` step): a malformed --cases entry is
+    refused naming it; on a host without CUDA it says so and exits 2 before loading anything."""
+    script = ROOT / "bench" / "scripts" / "prefill_chunk_bench.py"
+    bad = subprocess.run([sys.executable, str(script), "--cases", "2048:x"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--cases: '2048:x' is not CHUNK:PREFIX" in bad.stderr
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the no-CUDA refusal is not reachable here")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert r.returncode == 2 and "no CUDA device" in r.stderr

@@ -12,6 +12,7 @@
 #   build      inv kernels.build for this GPU's arch, nothing else (what prepass needs)
 #   kernels    inv kernels.build for this GPU's arch, the kernels' GPU tests, the prefill-attention bench
 #   prefix     the int8 prefill kernel over a cached prefix: its GPU test (tests/test_kernel_int8_prefix.py)
+#   chunkbench a later chunk over its prefix: the int8 route vs vLLM's FlashAttention (prefill_chunk_bench.py)
 #   prepass    the int8 prefill pre-pass profile (bench/scripts/prefill_prepass_profile.py; after `kernels`)
 #   kvarn      the KVarN kernels' GPU tests and bench/scripts/kvarn_bench.py (issue 14's table)
 #   tier       the GPU tier of the suite (tests/test_gpu.py), RIG_GPU_SETS as set by the caller
@@ -85,6 +86,12 @@ step_prefix() {
   stamp prefix
   "$PY" -m pytest -q -m gpu tests/test_kernel_int8_prefix.py -rA -p no:cacheprovider 2>&1 \
     | tee "$OUT/prefix-pytest.log" | tail -8
+}
+
+# A later chunk over its cached prefix: the int8 route beside vLLM's FlashAttention (needs vLLM's CUDA build).
+step_chunkbench() {
+  stamp chunkbench
+  "$PY" bench/scripts/prefill_chunk_bench.py --json "$OUT/prefill_chunk.json" 2>&1 | tee "$OUT/prefill_chunk.txt"
 }
 
 step_kernels() {
