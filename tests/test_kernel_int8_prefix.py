@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rig.kernels import load_file, module_name
+
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels" / "int8-prefill-attn"
 ROOT = KERNEL_DIR.parents[1]
 BOUND = 2e-2
@@ -36,13 +38,7 @@ CHILD = os.environ.get("RIG_INT8_PREFIX_INTERPRETER_CHILD") == "1"
 
 def _load(name: str):
     """A file of the kernel folder under the name attn.py's own sibling loader gives it (one module object)."""
-    mod_name = f"rig_kernel_int8_prefill_attn_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, KERNEL_DIR / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[mod_name]
+    return load_file(KERNEL_DIR / f"{name}.py", module_name("int8-prefill-attn", name))
 
 
 ref = _load("reference")
