@@ -168,3 +168,23 @@ def test_deterministic_for_a_seed():
     q2, k2, v2 = r.synthetic(256, seed=9)
     assert r.quantize(k2[:128], 4).to_bytes() == a
     assert _attention_errors(1024, 0, True, True) == _attention_errors(1024, 0, True, True)
+
+
+def test_a_page_is_read_back_as_it_was_written():
+    """The page I/O rig's vLLM backend uses (kernels/kvarn/vllm_backend.py): write_page stores the group's K then
+    V bytes (Packed.to_tensor, the bytes to_bytes serializes), from_tensor reads the arrays back unchanged, and
+    read_page returns what dequantize gives; a buffer of the wrong size is refused with the sizes."""
+    g = torch.Generator().manual_seed(11)
+    k = torch.randn(r.GROUP_TOKENS, r.KV_HEADS, r.HEAD_DIM, generator=g) * 3
+    v = torch.randn(r.GROUP_TOKENS, r.KV_HEADS, r.HEAD_DIM, generator=g)
+    page = torch.full((r.page_bytes(),), 0xA5, dtype=torch.uint8)
+    r.write_page(page, k, v)
+    kq, vq = r.quantize(k, r.K_BITS), r.quantize(v, r.V_BITS)
+    assert r.page_bytes() == 106_496 and page.numpy().tobytes() == kq.to_bytes() + vq.to_bytes()
+    back = r.from_tensor(page[: r.group_bytes(r.K_BITS)], r.K_BITS)
+    for name in ("codes", "token_scale", "token_offset", "channel_scale"):
+        assert torch.equal(getattr(back, name), getattr(kq, name)), name
+    rk, rv = r.read_page(page)
+    assert torch.equal(rk, r.dequantize(kq)) and torch.equal(rv, r.dequantize(vq))
+    with pytest.raises(ValueError, match="a 4-bit group of 128 tokens x 4 heads x 256 is 69632 uint8 bytes; got 10"):
+        r.from_tensor(page[:10], r.K_BITS)

@@ -137,10 +137,51 @@ class Packed:
     token_offset: torch.Tensor
     channel_scale: torch.Tensor
 
-    def to_bytes(self) -> bytes:
-        """The group's bytes in the stored order: codes, token_scale, token_offset, channel_scale."""
+    def to_tensor(self) -> torch.Tensor:
+        """The group's bytes in the stored order (codes, token_scale, token_offset, channel_scale), uint8 [n]."""
         parts = [self.codes, self.token_scale, self.token_offset, self.channel_scale]
-        return b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
+        return torch.cat([p.contiguous().view(torch.uint8).reshape(-1) for p in parts])
+
+    def to_bytes(self) -> bytes:
+        """The group's bytes in the stored order, as ``bytes``."""
+        return self.to_tensor().cpu().numpy().tobytes()
+
+
+def from_tensor(buf: torch.Tensor, bits: int, rotated: bool = True, heads: int = KV_HEADS, dim: int = HEAD_DIM,
+                group: int = GROUP_TOKENS) -> Packed:
+    """A group read back from its stored bytes (uint8 [group_bytes]): the inverse of ``Packed.to_tensor``.
+
+    How a reader that holds only the cache's bytes (vLLM's pages) gets the arrays back; the views
+    share ``buf``'s memory.
+    """
+    sizes = [f.group_bytes for f in layout(bits, heads, dim, group)]
+    if buf.dtype != CODE_DTYPE or buf.numel() != sum(sizes):
+        raise ValueError(f"a {bits}-bit group of {group} tokens x {heads} heads x {dim} is {sum(sizes)} uint8 "
+                         f"bytes; got {buf.numel()} of {buf.dtype}")
+    codes, ts, to, cs = buf.reshape(-1).split(sizes)
+    return Packed(bits, rotated, codes.view(group, heads, dim * bits // 8), ts.view(SCALE_DTYPE).view(group, heads),
+                  to.view(SCALE_DTYPE).view(group, heads), cs.view(SCALE_DTYPE).view(heads, dim))
+
+
+def page_bytes(heads: int = KV_HEADS, dim: int = HEAD_DIM, group: int = GROUP_TOKENS) -> int:
+    """Bytes of one cache page: one group's K (4-bit) then its V (2-bit), for ``heads`` KV heads."""
+    return group_bytes(K_BITS, heads, dim, group) + group_bytes(V_BITS, heads, dim, group)
+
+
+def write_page(page: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool = True,
+               normalize: bool = True) -> None:
+    """Quantize one whole group k, v [group, heads, dim] into ``page`` (uint8 [page_bytes]), K then V."""
+    kq, vq = quantize(k, K_BITS, rotate, normalize), quantize(v, V_BITS, rotate, normalize)
+    page.copy_(torch.cat([kq.to_tensor(), vq.to_tensor()]).to(page.device))
+
+
+def read_page(page: torch.Tensor, heads: int = KV_HEADS, dim: int = HEAD_DIM, group: int = GROUP_TOKENS,
+              rotated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one page (uint8 [page_bytes]) dequantized, float32 [group, heads, dim] each."""
+    nk = group_bytes(K_BITS, heads, dim, group)
+    buf = page.reshape(-1).cpu()
+    return (dequantize(from_tensor(buf[:nk], K_BITS, rotated, heads, dim, group)),
+            dequantize(from_tensor(buf[nk:], V_BITS, rotated, heads, dim, group)))
 
 
 def dual_normalize(x: torch.Tensor, iters: int = NORM_ITERS) -> torch.Tensor:

@@ -1,0 +1,361 @@
+"""KV=kvarn inside vLLM 0.28: the attention backend, its metadata, and the companion layer for the tail.
+
+Loaded by path by the ``kvarn-cache`` patch (``vllm/platforms/interface.py::rig_kvarn_backend``) from
+``$VLLM_RIG_KERNELS_DIR/kvarn/vllm_backend.py`` under the module name ``vllm_rig_kvarn``; vLLM then
+resolves ``vllm_rig_kvarn.KvarnAttentionBackend`` as it resolves its own backends.
+
+How the format (reference.py) maps onto vLLM's cache (docs/kvarn.md, "The backend in vLLM"):
+
+- **Pages.** The attention layer's KV cache spec publishes 208 B per KV head and token (the layout's
+  832 B for 4 heads of 256) as ``state_content_bytes``, as TurboQuant publishes its packed slots, and
+  the backend's kernel block is the 128-token group, so each kernel block of vLLM's pool is one page:
+  one group's K then V, reference.py's bytes. A request's block table lists the page of each group.
+- **The tail.** A group is packed only when its 128 tokens are all there; the newest ``len % 128``
+  tokens of a request stay unpacked. vLLM gives a layer per-request memory only through a
+  ``MambaSpec`` (one block a request while it lives, with prefix caching off), so every kvarn
+  attention layer owns a companion layer (``KvarnTail``, registered by the patch's hook in
+  ``Attention.__init__``) whose state is that layer's tail: K and V, [128, kv heads, head_dim] in the
+  model's dtype. The patch raises the hybrid model's mamba page to hold it, so the tail group shares
+  vLLM's common page size.
+- **Forward** (``engine`` ``torch``): per request, the context = the request's packed groups
+  dequantized (reference.read_page) + its tail + the step's new tokens at full precision; causal
+  attention in float32; then the tail and the new tokens are written back: every group they fill is
+  quantized into its page (reference.write_page), the rest becomes the tail. This is the reference's
+  arithmetic run inside vLLM: correct on any device, meant for CPU and tests; the Triton kernels
+  (kvarn_triton.py) are not wired in yet.
+
+Refused, with the reason, at construction: sliding windows, ALiBi, logit soft-capping, attention
+sinks, encoder attention, KV sharing, and prefix caching (the tail is not block-aligned state that
+vLLM's ``align`` mode could checkpoint).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.utils.torch_utils import get_dtype_size
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+HERE = Path(__file__).resolve().parent
+logger = init_logger("vllm.rig_kvarn")  # under vLLM's logger, so its handler prints it
+
+
+def _load_reference():
+    """reference.py under the module name the kernels and tests load it by (one module object)."""
+    name = "rig_kernel_kvarn_reference"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE / "reference.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+reference = _load_reference()
+GROUP = reference.GROUP_TOKENS
+LOG_EVERY_S = 10.0
+"""Seconds between the backend's progress lines in the server log (the first group packed logs at once)."""
+STATS = {"groups_packed": 0, "group_reads": 0, "steps": 0}
+"""What this process's kvarn layers did, summed over layers (the log line reports it)."""
+_logged = [0.0]
+COMPANION = "rig_companion"
+"""The attribute (and the name suffix) the kvarn-cache patch gives an attention layer's companion."""
+
+
+def head_bytes(head_size: int) -> int:
+    """Stored bytes per KV head and token: the page of one head over a group, per token (208 for 256)."""
+    total = reference.page_bytes(1, head_size, GROUP)
+    if total % GROUP:
+        raise ValueError(f"head_size {head_size}: a group's page ({total} B) is not a whole number of bytes a token")
+    return total // GROUP
+
+
+def tail_bytes(num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
+    """One layer's tail for one request, K and V (reference.tail_bytes, in the model's dtype)."""
+    return reference.tail_bytes(num_kv_heads, head_size, get_dtype_size(dtype), GROUP)
+
+
+# ----------------------------------------------------------------------------- the tail companion
+
+@dataclass
+class KvarnTailMetadata:
+    """Each request's tail slot this step: its block in the tail group (one block a request), batch order."""
+
+    slots: torch.Tensor
+
+
+class KvarnTailMetadataBuilder(AttentionMetadataBuilder[KvarnTailMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KvarnTailMetadata:
+        c = common_attn_metadata
+        return KvarnTailMetadata(slots=c.block_table_tensor[: c.num_reqs, 0])
+
+
+class KvarnTailBackend(AttentionBackend):
+    """The companions' backend: it only tells vLLM how to build their metadata (they compute nothing)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_builder_cls():
+        return KvarnTailMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError("the KVarN tail companion has no attention of its own")
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        raise NotImplementedError("the KVarN tail is a MambaSpec state, shaped by KvarnTail.get_state_shape")
+
+    @classmethod
+    def is_ssm(cls) -> bool:
+        return True  # never taken as the model's attention backend (Platform._find_non_ssm_backend)
+
+
+class KvarnTail(MambaBase):
+    """One kvarn attention layer's tails: K and V [128, kv heads, head_dim] per request, a MambaSpec state.
+
+    vLLM allocates one block of it per request with prefix caching off, keeps it while the request
+    lives (scheduled or not), frees it at the end and at preemption (which recomputes the request, so
+    the tail is rewritten). Blocks are not zeroed: rows past ``len % 128`` are never read.
+    """
+
+    def __init__(self, layer: torch.nn.Module, prefix: str, vllm_config) -> None:
+        super().__init__()
+        cache = vllm_config.cache_config
+        if cache.mamba_cache_mode != "none":
+            raise ValueError(
+                f"KV=kvarn: prefix caching must be off (mamba cache mode is {cache.mamba_cache_mode!r}): each "
+                "request's unpacked tail is not block-aligned state vLLM could checkpoint; serve with "
+                "PREFIX_CACHE=0 (--no-enable-prefix-caching)")
+        self.prefix = prefix
+        self.layer_name = prefix
+        self.num_kv_heads, self.head_size = layer.num_kv_heads, layer.head_size
+        self.dtype = vllm_config.model_config.dtype
+        self.kv_cache = (torch.tensor([]), torch.tensor([]))
+        ctx = vllm_config.compilation_config.static_forward_context
+        if prefix in ctx:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        ctx[prefix] = self
+
+    def get_state_shape(self):
+        shape = (GROUP, self.num_kv_heads, self.head_size)
+        return shape, shape
+
+    def get_state_dtype(self):
+        return self.dtype, self.dtype
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.CUSTOM
+
+    def get_kv_cache_spec(self, vllm_config):
+        """MambaBase's spec, padded to the attention page (block x kv heads x 208 B): the common page size."""
+        spec = super().get_kv_cache_spec(vllm_config)
+        page = vllm_config.cache_config.block_size * self.num_kv_heads * head_bytes(self.head_size)
+        need = tail_bytes(self.num_kv_heads, self.head_size, self.dtype)
+        if page < need:
+            raise ValueError(f"KV=kvarn: the attention page ({page} B) cannot hold a request's tail ({need} B); "
+                             "the kvarn-cache patch raises the hybrid block so that it does: is it applied?")
+        return replace(spec, page_size_padded=page)
+
+    def get_attn_backend(self):
+        return KvarnTailBackend
+
+
+# ----------------------------------------------------------------------------- the attention backend
+
+@dataclass
+class KvarnMetadata:
+    """What a kvarn layer needs of a step: where each request's queries are, its length, its pages."""
+
+    num_actual_tokens: int
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    block_table: torch.Tensor
+
+
+class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KvarnMetadata:
+        c = common_attn_metadata
+        return KvarnMetadata(num_actual_tokens=c.num_actual_tokens,
+                             query_start_loc_cpu=c.query_start_loc_cpu[: c.num_reqs + 1],
+                             seq_lens_cpu=c.seq_lens_cpu[: c.num_reqs],
+                             block_table=c.block_table_tensor[: c.num_reqs])
+
+
+class KvarnAttentionImpl(AttentionImpl):
+    """Attention over a KVarN cache; see the module docstring for the forward."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes,
+                 sliding_window, kv_cache_dtype: str, logits_soft_cap=None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **extra) -> None:
+        refused = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window,
+                   "logits_soft_cap": logits_soft_cap or None, "kv_sharing_target_layer_name":
+                   kv_sharing_target_layer_name, "sinks": extra.get("sinks")}
+        refused = {k: v for k, v in refused.items() if v is not None}
+        if refused or attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"KV=kvarn supports causal decoder attention only; this layer has "
+                                      f"{refused or {'attn_type': attn_type}}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+        self.num_heads, self.head_size, self.scale, self.num_kv_heads = num_heads, head_size, scale, num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.page_bytes = reference.page_bytes(num_kv_heads, head_size, GROUP)
+        if not STATS["steps"] and not _logged[0]:
+            logger.info_once("rig kvarn backend (torch engine, the format's reference arithmetic): %d B pages of "
+                             "%d-token groups (%d B a token and layer), each request's tail in a companion state layer",
+                             self.page_bytes, GROUP, self.page_bytes // GROUP)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: KvarnMetadata | None, output: torch.Tensor | None = None, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("KV=kvarn does not produce quantized attention outputs")
+        if attn_metadata is None:  # the profiling run: no cache yet
+            return output.fill_(0)
+        tail = getattr(layer, COMPANION)
+        tail_k, tail_v = tail.kv_cache
+        slots = get_forward_context().attn_metadata[tail.prefix].slots.tolist()
+        pages = kv_cache.view(-1, self.page_bytes)
+        qsl = attn_metadata.query_start_loc_cpu.tolist()
+        lens = attn_metadata.seq_lens_cpu.tolist()
+        table = attn_metadata.block_table.cpu()
+        packed = STATS["groups_packed"]
+        for r, (slot, length) in enumerate(zip(slots, lens, strict=True)):
+            q0, q1 = qsl[r], qsl[r + 1]
+            if q1 == q0:
+                continue
+            self._request(query[q0:q1], key[q0:q1], value[q0:q1], output[q0:q1], pages, table[r],
+                          tail_k[slot], tail_v[slot], length)
+        STATS["steps"] += 1
+        _report(first=packed == 0 < STATS["groups_packed"])
+        return output
+
+    def _request(self, q, k_new, v_new, out, pages, table, tail_k, tail_v, length: int) -> None:
+        """One request's step: attend over packed groups + tail + new tokens, then write tail + new tokens."""
+        n = q.shape[0]
+        ctx = length - n
+        done, held = divmod(ctx, GROUP)
+        heads, dim = self.num_kv_heads, self.head_size
+        ks, vs = [], []
+        for g in range(done):
+            k, v = reference.read_page(pages[int(table[g])], heads, dim, GROUP)
+            ks.append(k)
+            vs.append(v)
+        STATS["group_reads"] += done
+        fresh_k = torch.cat([tail_k[:held].float().cpu(), k_new.float().cpu()])
+        fresh_v = torch.cat([tail_v[:held].float().cpu(), v_new.float().cpu()])
+        k_all, v_all = torch.cat([*ks, fresh_k]), torch.cat([*vs, fresh_v])
+        out.copy_(self._attend(q.float().cpu(), k_all, v_all, ctx).to(out.dtype))
+        full, rest = divmod(held + n, GROUP)
+        for i in range(full):
+            sl = slice(i * GROUP, (i + 1) * GROUP)
+            reference.write_page(pages[int(table[done + i])], fresh_k[sl], fresh_v[sl])
+        STATS["groups_packed"] += full
+        tail_k[:rest].copy_(fresh_k[full * GROUP:].to(tail_k.dtype))
+        tail_v[:rest].copy_(fresh_v[full * GROUP:].to(tail_v.dtype))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int) -> torch.Tensor:
+        """Causal GQA attention in float32: query i (position ctx + i) sees keys 0..ctx + i."""
+        n, total = q.shape[0], k.shape[0]
+        rep = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(rep, 1).transpose(0, 1)
+        v = v.repeat_interleave(rep, 1).transpose(0, 1)
+        s = torch.einsum("nhd,htd->hnt", q, k) * self.scale
+        pos = torch.arange(total)
+        mask = pos[None, :] > (ctx + torch.arange(n))[:, None]
+        s = s.masked_fill(mask, float("-inf"))
+        return torch.einsum("hnt,htd->nhd", s.softmax(-1), v)
+
+
+def _report(first: bool = False) -> None:
+    """A progress line in the server log: at the first packed group, then at most every LOG_EVERY_S."""
+    now = time.monotonic()
+    if first or now - _logged[0] >= LOG_EVERY_S:
+        _logged[0] = now
+        logger.info("rig kvarn (torch engine): %d groups packed, %d group reads, %d layer steps so far",
+                    STATS["groups_packed"], STATS["group_reads"], STATS["steps"])
+
+
+class KvarnAttentionBackend(AttentionBackend):
+    """KV=kvarn: KVarN's 4-bit-K / 2-bit-V cache for causal decoder attention (rig, issue 14)."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["kvarn"]
+    forward_includes_kv_cache_update: bool = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes():
+        return [GROUP]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [64, 128, 256, 512]
+
+    @staticmethod
+    def get_impl_cls():
+        return KvarnAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return KvarnMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        """One row of bytes per kernel block: the block's page (one 128-token group, K then V)."""
+        if block_size != GROUP:
+            raise ValueError(f"KV=kvarn pages hold one {GROUP}-token group; got a kernel block of {block_size}")
+        return num_blocks, block_size * num_kv_heads * head_bytes(head_size)
+
+    @classmethod
+    def customize_spec(cls, spec):
+        """The packed page: uint8, 208 B per KV head and token (reference.py's layout)."""
+        return replace(spec, dtype=torch.uint8, state_content_bytes=head_bytes(spec.head_size))
+
+    @classmethod
+    def companion_page_bytes(cls, vllm_config) -> int:
+        """The page one layer's tail companion needs (the patch raises the hybrid mamba page to it)."""
+        mc = vllm_config.model_config
+        return tail_bytes(mc.get_num_kv_heads(vllm_config.parallel_config), mc.get_head_size(), mc.dtype)
+
+    @classmethod
+    def make_companion(cls, layer: torch.nn.Module, prefix: str, vllm_config) -> KvarnTail:
+        """The layer's tail companion, registered in vLLM's forward context as ``<prefix>.rig_companion``."""
+        return KvarnTail(layer, f"{prefix}.{COMPANION}", vllm_config)
