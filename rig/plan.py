@@ -68,7 +68,7 @@ def kv_allowed(platform: str, arch: str) -> list[str]:
     """The KV values a plan may use on this platform and GPU_ARCH (every knob value the rules below do not refuse)."""
     values = Knobs.model_fields["KV"].annotation.__args__
     if platform == "cpu":
-        return [v for v in values if v not in KV_CUDA_ONLY and v != "kvarn"]
+        return [v for v in values if v not in KV_CUDA_ONLY]
     return [v for v in values if KV_CUDA_ONLY.get(v, ("", 0, ""))[1] <= _capability(arch)]
 
 
@@ -80,11 +80,17 @@ def kv_rules(k: Knobs, platform: str) -> list[str]:
                       f"vLLM aligns a hybrid model's attention block to BLOCK_SIZE, so only a multiple of "
                       f"{KVARN_GROUP_TOKENS} keeps every group inside one block (docs/kvarn.md); allowed: "
                       f"{KVARN_GROUP_TOKENS}, {2 * KVARN_GROUP_TOKENS}, ...; set BLOCK_SIZE={KVARN_GROUP_TOKENS}")
+    if k.KV == "kvarn" and k.PREFILL_ATTN == "int8":
+        errors.append("PREFILL_ATTN='int8' with KV='kvarn': rig's int8 prefill hooks FLASH_ATTN and FLASHINFER, "
+                      "and a kvarn cache runs on rig's kvarn backend, so the kernel would never run; allowed with "
+                      "it: 'auto'")
+    if k.KV == "kvarn" and k.PREFIX_CACHE:
+        errors.append("PREFIX_CACHE=1 with KV='kvarn': each request's newest < 128 tokens stay unpacked in a "
+                      "per-request slot outside vLLM's blocks, which hybrid prefix caching (mamba cache mode "
+                      "align) cannot checkpoint (docs/kvarn.md, \"The backend in vLLM\"); allowed with kvarn: 0")
     if platform == "cpu":
         allowed_here = ", ".join(repr(v) for v in kv_allowed("cpu", "cpu"))
-        if k.KV == "kvarn":
-            errors.append(f"KV='kvarn': the KVarN cache is a CUDA kernel; allowed on cpu: {allowed_here}")
-        elif k.KV in KV_CUDA_ONLY:
+        if k.KV in KV_CUDA_ONLY:
             errors.append(f"KV={k.KV!r}: vLLM 0.28 runs it only on CUDA ({KV_CUDA_ONLY[k.KV][0]}); its CPU attention "
                           "backend takes auto, fp8, fp8_e4m3, fp8_e5m2 (vllm/v1/attention/backends/cpu_attn.py) and "
                           "vLLM would not refuse it there: the CPU kernels would read it as "
@@ -200,6 +206,10 @@ def rules(k: Knobs, pf: profiles.ProfileFile, platform: str) -> tuple[list[str],
         warnings.append(f"SPEC={k.SPEC!r} is ignored on this profile (speculative decoding costs batch throughput)")
         fix["SPEC"] = "off"
     errors += kv_rules(k, platform)
+    if k.KV == "kvarn" and platform == "gpu":
+        warnings.append("KV='kvarn' on a GPU runs rig's kvarn backend with the format's torch reference, request by "
+                        "request: correct, and far slower than vLLM's own caches; its Triton kernels are not wired "
+                        "into it yet and no GPU has served it (docs/kvarn.md). KV=fp8 is the fast choice today")
     if k.INT8_ACT == "fp8" and k.GPU_ARCH not in FP8_ACT_ARCHS:
         errors.append(f"INT8_ACT='fp8': fp8 activations need SM89 or SM12x, the target is {k.GPU_ARCH} "
                       f"(the RTX 3090 is sm86); allowed there: '', 'int8'")
@@ -353,8 +363,11 @@ def needs(k: Knobs) -> tuple[dict[str, str], list[str], list[str]]:
         env["VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS"] = "1"
         env[KEEP_MAX_ENV] = str(k.KEEP_CHECKPOINTS_MAX)  # read by the patch only with the knob on
         patches.append("mamba-align-checkpoint-order")
-    if k.KV == "kvarn":
-        kernels.append("kvarn")
+    if k.KV == "kvarn":  # rig's backend (kernels/kvarn/vllm_backend.py), loaded by the patch from this folder
+        from rig.kernels import kvarn_env
+
+        env.update(kvarn_env())
+        patches.append("kvarn-cache")
     if k.PREFILL_ATTN == "int8":  # fresh prefills on rig's int8-QK kernel (patch prefill-attn-int8)
         env["VLLM_RIG_PREFILL_ATTN"] = "int8"
         patches.append("prefill-attn-int8")

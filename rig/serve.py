@@ -168,7 +168,7 @@ def check_patches(plan: Plan) -> None:
 
 
 # The knob value that runs without each kernel: named when a kernel cannot be had at all.
-WITHOUT_KERNEL = {"kvarn": "KV=fp8", "int8-prefill-attn": "PREFILL_ATTN=auto"}
+WITHOUT_KERNEL = {"int8-prefill-attn": "PREFILL_ATTN=auto"}
 
 
 def check_kernels(plan: Plan) -> list[str]:

@@ -51,7 +51,7 @@ def test_state_kv_and_page_sizes_are_vllms_and_agree_with_first_principles():
     assert table["turboquant_4bit_nc"] == 4 * (128 + 2 + 128 + 4)
     assert table["turboquant_k3v4_nc"] == 4 * (96 + 2 + 128 + 4)
     assert table["turboquant_3bit_nc"] == 4 * (96 + 2 + 96 + 4)
-    assert table["kvarn (planned)"] == 832
+    assert table["kvarn"] == 832
     p = pages.pool(s, "fp8", "float16", 8 * 2**30, 150000)
     assert p.block_size == 800 and p.page_bytes == 800 * 2048 >= p.mamba_page_bytes  # raised to the mamba page
     assert (p.groups, p.layers_per_group) == (4, 16)  # 3 GDN groups + 1 attention group of 16 layers
@@ -178,91 +178,47 @@ def test_kvarn_prefix_match_unit_is_the_block():
     assert pages.pool(s, "fp8", "float16", 8 * 2**30, 4096).match_unit == 0
 
 
-def _hybrid_groups(s, attn, gdn, extra: dict) -> list:
-    """vLLM 0.28's own KV cache grouping (get_kv_cache_groups) of the real shape's layers plus ``extra``."""
-    import types
+def _kvarn_backend_class():
+    """rig's kvarn backend (kernels/kvarn/vllm_backend.py) as the kvarn-cache patch loads it."""
+    from rig.kernels import load_file
 
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
-
-    specs = {f"model.layers.{i}": attn if kind == "full_attention" else gdn for i, kind in enumerate(s.layer_types)}
-    cfg = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False))
-    return get_kv_cache_groups(cfg, {**specs, **extra})
+    return load_file(paths.ROOT / "kernels" / "kvarn" / "vllm_backend.py", "vllm_rig_kvarn").KvarnAttentionBackend
 
 
-def test_kvarn_tail_slots_as_mamba_companions_get_a_group_of_their_own_from_vllms_grouping():
-    """docs/kvarn.md, "A slot for the tail": vLLM gives a layer a per-request slot only through a MambaSpec
-    (one block a request with PREFIX_CACHE=0). Companion layers holding two attention layers' tails each
-    (K and V, 128 tokens, 4 heads of 256, bf16: 1 MiB) are accepted by vLLM's own grouping of the real
-    shape at the kvarn page: padded to the common page, one group of their own, the attention layers'
-    group and the GDN groups unchanged; so a seat's tails cost 8 pages, not the 8 MiB the planner reserves."""
-    import torch
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.kv_cache_interface import MambaSpec
+@pytest.mark.parametrize("ssm", ["float16", "float32"])
+@pytest.mark.parametrize("model", ["tiny", "real"])
+def test_kvarn_hybrid_block_with_rigs_backend_is_vllms_rule_and_the_planners(vllm_configs, model, ssm):
+    """vLLM's own Platform._align_hybrid_block_size, patched by kvarn-cache to fit the backend's companion state,
+    run with rig's kvarn backend class: on the real shape the GDN page is larger than a layer's tail and the
+    block stays 2048 (fp16 state) / 3968 (fp32); on the tiny hybrid the tail (524,288 B) sets it: 640 tokens,
+    what the CPU server logs. The planner predicts the same block and page."""
+    vc, s = vllm_configs[model]
+    block, page = _vllm_hybrid_block(vc, _kvarn_backend_class(), "kvarn", 128, ssm)
+    p = pages.pool(s, "kvarn", ssm, 2**30, 4096, 128)
+    assert (p.block_size, p.page_bytes) == (block, page or p.mamba_page_bytes)
+    assert block == {"real": {"float16": 2048, "float32": 3968}, "tiny": {"float16": 640, "float32": 640}}[model][ssm]
+    assert p.page_bytes >= pages.tail_layer_bytes(s, "kvarn")
 
+
+def test_kvarn_tails_are_a_state_group_of_vllms_own_grouping():
+    """KV=kvarn keeps each running request's newest < 128 tokens in a companion state layer per attention layer
+    (a MambaSpec, one block a request: docs/kvarn.md, "The backend in vLLM"). vLLM's own grouping of the real
+    shape puts the 16 companions in a group of their own, padded to the common page, beside the attention and
+    GDN groups; a seat then holds one block of it: 16 pages, 27,262,976 B with fp16 state, which the plan shows."""
     s = shape.real_shape()
-    block = 2048  # the kvarn hybrid block with fp16 state (test_kvarn_block_of_128_holds_whole_groups...)
-    attn = pages.attention_spec(s, "kvarn", block=block)
-    page = attn.page_size_bytes
-    gdn = MambaSpec(block_size=150_000, shapes=pages.state_shapes(s), dtypes=pages.state_dtypes(s, "float16"),
-                    page_size_padded=page, mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="none")
-    tail = MambaSpec(block_size=150_000, shapes=((128, 4, 256),) * 4, dtypes=(torch.bfloat16,) * 4,
-                     mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="none")
-    layer_tail = pages.tail_layer_bytes(s, "kvarn")
-    assert tail.page_size_bytes == 2 * layer_tail == 1_048_576 < page == 2048 * 832
-    base = _hybrid_groups(s, attn, gdn, {})
-    groups = _hybrid_groups(s, attn, gdn, {f"kvarn_tail.{j}": tail for j in range(s.attention_layers // 2)})
-    kinds = [(type(g.kv_cache_spec).__name__, len(g.layer_names)) for g in groups]
-    tails = [g for g in groups if g.layer_names[0].startswith("kvarn_tail")]
-    assert len(tails) == 1 and all(n.startswith("kvarn_tail") for n in tails[0].layer_names)
-    assert tails[0].kv_cache_spec.page_size_bytes == page  # padded up to the common page
-    assert kinds.count(("FullAttentionSpec", 8)) == 2 and len(groups) == 9  # 8 layers a group now, not 16
-    assert sum(len(g.layer_names) for g in base) == s.num_hidden_layers
-    per_seat = len(tails[0].layer_names) * page
-    assert per_seat > s.attention_layers * layer_tail == 8 * 2**20  # what the planner reserves a seat today
-
-
-def _kvarn_kernels():
-    """kernels/kvarn/kvarn_triton.py (imports triton), under the name its tests use."""
-    import importlib.util
-    import sys
-
-    pytest.importorskip("triton", reason="the KVarN kernels are Triton")
-    name = "rig_kernel_kvarn_triton"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, paths.ROOT / "kernels" / "kvarn" / "kvarn_triton.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-def test_kvarn_pool_takes_each_seats_tail_from_the_kv_cache():
-    """KV=kvarn: every running sequence keeps its newest < 128 tokens unpacked in each attention layer. The planner
-    reserves MAX_SEQS such tails out of the KV cache before vLLM's blocks, with the bytes of the kernels' own
-    tail buffers, and says so in the plan output."""
-    import torch
-
-    kt = _kvarn_kernels()
-    kv_mem = 8 * 2**30
-    plan = resolve("kvarn", platform="gpu", environ={}, sets={"KV_MEM": str(kv_mem)})
+    p = pages.pool(s, "kvarn", "float16", 8 * 2**30, 4096, 128)
+    assert (p.block_size, p.page_bytes, p.layers_per_group) == (2048, 2048 * 832, 16)
+    assert p.groups == 5 and p.state_groups == 4  # 3 GDN groups, 1 attention group, 1 tail group
+    assert p.tail_layer_bytes == 524_288 and p.tail_seat_bytes == 16 * 2048 * 832 == 27_262_976
+    plain = pages.pool(s, "fp8", "float16", 8 * 2**30, 4096, 0)
+    assert plain.state_groups == 3 and plain.tail_seat_bytes == 0
+    plan = resolve("kvarn", platform="gpu", environ={}, sets={"KV_MEM": str(8 * 2**30)})
     r = report.for_plan(plan, RTX3090)
-    p, b = r.budget.pool, r.budget
-    s = shape.real_shape()
-    per_layer = kt.tail_bytes_per_seq(kt.MODEL_LAYOUT, torch.bfloat16)
-    cache = kt.PagedKvarnCache(1, plan.knobs["MAX_SEQS"], 1, tail_dtype=torch.bfloat16)
-    assert p.tail_layer_bytes == per_layer == 524_288
-    assert p.tail_seat_bytes * plan.knobs["MAX_SEQS"] == p.tail_reserved_bytes
-    assert p.tail_reserved_bytes == s.attention_layers * (cache.tail_k.nbytes + cache.tail_v.nbytes)
-    untailed = pages.pool(s, "kvarn", "float16", kv_mem - p.tail_reserved_bytes, plan.knobs["MAX_LEN"], 128)
-    assert (p.blocks, p.block_size) == (untailed.blocks, 2048) and untailed.tail_reserved_bytes == 0
-    assert pages.pool(s, "kvarn", "float16", kv_mem, plan.knobs["MAX_LEN"], 128).blocks > p.blocks
-    assert b.kv_mem_exact == p.blocks * p.block_bytes + p.tail_reserved_bytes
-    again = report.for_plan(resolve("kvarn", platform="gpu", environ={}, sets={"KV_MEM": str(b.kv_mem_exact)}),
-                            RTX3090).budget.pool
-    assert again.blocks == p.blocks
+    assert r.budget.pool.tail_seat_bytes == p.tail_seat_bytes
+    assert r.budget.pool.seats(1) == (r.budget.pool.blocks - 1) // (4 + 1)  # 3 GDN + 1 tail state blocks + 1 page
     text = report.render(r)
-    assert "kvarn tail" in text and "8,388,608 B / seat" in text and "524,288 B a layer" in text
-    assert [w for w in b.warnings if w.startswith("KV='kvarn' is a planned format") and "0.50 GiB for MAX_SEQS=64" in w]
+    assert "kvarn tail" in text and "27,262,976 B / seat" in text and "524,288 B a layer" in text
+    assert [w for w in r.budget.warnings if w.startswith("KV='kvarn' (rig's backend") and "27,262,976 B" in w]
 
 
 def test_tiny_pool_is_what_a_live_cpu_server_reported():

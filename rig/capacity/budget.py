@@ -128,11 +128,11 @@ def plan_budget(knobs: dict[str, Any], platform: str, s: Shape, card: cards.Card
     b.pool = p
     if kv_dtype == "kvarn":
         b.warnings.append(
-            f"KV='kvarn' is a planned format ({cards.data()['planned_kv']['kvarn']['status']}): the pool assumes a "
-            f"backend that packs {p.attn_token_bytes:,} B a token and layer into whole {pages.kernel_block('kvarn')}-"
-            f"token groups and keeps each running sequence's newest < {pages.kernel_block('kvarn')} tokens unpacked: "
-            f"{p.tail_seat_bytes:,} B a seat ({s.attention_layers} attention layers), "
-            f"{_gib(p.tail_reserved_bytes)} for MAX_SEQS={knobs['MAX_SEQS']}, taken from the KV cache (docs/kvarn.md)")
+            f"KV='kvarn' ({cards.data()['planned_kv']['kvarn']['status']}) packs {p.attn_token_bytes:,} B a token "
+            f"and layer into whole {pages.kernel_block('kvarn')}-token groups and keeps each running sequence's newest "
+            f"< {pages.kernel_block('kvarn')} tokens unpacked in a companion state layer per attention layer: "
+            f"{p.tail_seat_bytes:,} B of the pool a seat ({s.attention_layers} attention layers, "
+            f"{p.tail_layer_bytes:,} B each padded to a {p.page_bytes:,} B page; docs/kvarn.md)")
     verdict(b, p, knobs, float(ov["warn_margin"]), float(ov["kv_mem_margin"]))
     return b
 
@@ -140,9 +140,8 @@ def plan_budget(knobs: dict[str, Any], platform: str, s: Shape, card: cards.Card
 def more_kv(b: Budget, p: pages.Pool, knobs: dict[str, Any]) -> str:
     """How to give one MAX_LEN request its room: the KV_MEM that holds it, or what frees memory on a GPU."""
     blocks = 1 + p.state_blocks(knobs["MAX_LEN"]) + -(-knobs["MAX_LEN"] // p.block_size)
-    tails = f" and the kvarn tails of {knobs['MAX_SEQS']} seats" if p.tail_reserved_bytes else ""
     if knobs["KV_MEM"]:
-        return f"KV_MEM={p.kv_bytes_for(blocks)} (the {blocks} blocks it needs{tails})"
+        return f"KV_MEM={p.kv_bytes_for(blocks)} (the {blocks} blocks it needs)"
     return f"free {_gib(p.kv_bytes_for(blocks) - b.kv_bytes)} more for the KV cache (GPU_UTIL, a bigger card)"
 
 
@@ -153,7 +152,7 @@ def verdict(b: Budget, p: pages.Pool, knobs: dict[str, Any], warn_margin: float,
     b.short_seats = p.seats(1)
     b.seats_at_max_len = p.seats(knobs["MAX_LEN"])
     b.kv_mem_exact = p.kv_bytes_for(p.blocks)
-    b.kv_mem_margin = p.kv_bytes_for((int(b.kv_mem_exact * (1 - kv_margin)) - p.tail_reserved_bytes) // p.block_bytes)
+    b.kv_mem_margin = p.kv_bytes_for(int(b.kv_mem_exact * (1 - kv_margin)) // p.block_bytes)
     seats, max_len = knobs["MAX_SEQS"], knobs["MAX_LEN"]
     if b.max_len_fit < max_len:
         b.errors.append(f"MAX_LEN={max_len}: the pool ({p.blocks} blocks of {p.block_size} tokens, "
@@ -166,8 +165,8 @@ def verdict(b: Budget, p: pages.Pool, knobs: dict[str, Any], warn_margin: float,
                         f"a page): only {b.short_seats} requests can run; set MAX_SEQS={b.short_seats}"
                         + (" or MAMBA_SSM_DTYPE=float16" if knobs["MAMBA_SSM_DTYPE"] == "float32" else ""))
     elif b.short_seats < seats:
-        tails = (f"; the kvarn tails of {seats} seats take {_gib(p.tail_reserved_bytes)} beside the blocks"
-                 if p.tail_reserved_bytes else "")
+        tails = (f", {p.state_groups} of them state: the kvarn tail's {p.tail_seat_bytes:,} B among them"
+                 if p.tail_seat_bytes else "")
         b.warnings.append(f"MAX_SEQS={seats}: only {b.short_seats} short requests fit the pool at once (each "
                           f"takes {state + 1} blocks{tails}); the rest wait. MAX_SEQS={b.short_seats} fits")
     elif b.short_seats < seats * (1 + warn_margin):

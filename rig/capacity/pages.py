@@ -48,6 +48,7 @@ def _vllm() -> SimpleNamespace:
             )
             from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
             from vllm.v1.attention.backend import MultipleOf
+            from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
             from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
             from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
             from vllm.v1.core import kv_cache_utils
@@ -61,7 +62,8 @@ def _vllm() -> SimpleNamespace:
                            dtypes=MambaStateDtypeCalculator, str_dtype=STR_DTYPE_TO_TORCH_DTYPE,
                            triton=TritonAttentionBackend, turboquant=TurboQuantAttentionBackend,
                            utils=kv_cache_utils, FullAttentionSpec=FullAttentionSpec, MambaSpec=MambaSpec,
-                           quant_mode=get_kv_quant_mode, MultipleOf=MultipleOf)
+                           quant_mode=get_kv_quant_mode, MultipleOf=MultipleOf,
+                           mamba_custom=MambaAttentionBackendEnum.CUSTOM)
 
 
 def model_dtype(s: Shape) -> Any:
@@ -164,8 +166,9 @@ class Pool:
     align: bool = False
     num_spec: int = 0
     tail_layer_bytes: int = 0
+    """KV=kvarn: one layer's unpacked tail for one request (K and V, a group in the model's dtype)."""
     tail_seat_bytes: int = 0
-    tail_reserved_bytes: int = 0
+    """KV=kvarn: what a seat's tails take in the pool (its block in each tail group, padded pages)."""
     match_unit: int = 0
     """Tokens a prefix-cache hit's length is a multiple of (vLLM's hash_block_size); 0 = prefix caching off."""
 
@@ -175,8 +178,8 @@ class Pool:
         return self.page_bytes * self.layers_per_group
 
     def kv_bytes_for(self, blocks: int) -> int:
-        """The KV cache bytes that give ``blocks`` blocks: the blocks plus the kvarn tails reserved beside them."""
-        return blocks * self.block_bytes + self.tail_reserved_bytes
+        """The KV cache bytes that give ``blocks`` blocks."""
+        return blocks * self.block_bytes
 
     @property
     def padding(self) -> float:
@@ -205,27 +208,43 @@ def tail_layer_bytes(s: Shape, kv_dtype: str, tp: int = 1) -> int:
     return kvarn.tail_bytes(max(1, s.num_key_value_heads // tp), s.head_dim, s.dtype_bytes)
 
 
+def tail_specs(s: Shape, kv_dtype: str, page: int, mode: str, tp: int = 1) -> dict[str, Any]:
+    """KV=kvarn's tail companions as rig's backend gives them to vLLM (kernels/kvarn/vllm_backend.py,
+    KvarnTail): one MambaSpec layer per attention layer, K and V [128, kv heads, head_dim] in the model's
+    dtype, padded to the common page; vLLM gives each request one block of them. None for other dtypes."""
+    if kv_dtype != "kvarn":
+        return {}
+    v = _vllm()
+    shape = (kernel_block("kvarn"), max(1, s.num_key_value_heads // tp), s.head_dim)
+    spec = v.MambaSpec(shapes=(shape, shape), dtypes=(model_dtype(s),) * 2, block_size=page,
+                       page_size_padded=page, mamba_type=v.mamba_custom, mamba_cache_mode=mode)
+    return {f"model.layers.{i}.self_attn.attn.rig_companion": spec
+            for i, kind in enumerate(s.layer_types) if kind == "full_attention"}
+
+
 def pool(s: Shape, kv_dtype: str, ssm_dtype: str, kv_bytes: int, max_len: int, requested_block: int = 0,
          prefix_cache: bool = False, num_spec: int = 0, tp: int = 1, max_seqs: int = 0) -> Pool:
     """The KV pool of ``kv_bytes`` bytes: vLLM's grouping, block count and reported token figure.
 
-    KV=kvarn: the tails of ``max_seqs`` seats (one per running sequence and attention layer, fixed
-    buffers like the kernels' PagedKvarnCache) are taken out of ``kv_bytes`` before the blocks.
+    KV=kvarn: each attention layer's tail companion (``tail_specs``) joins vLLM's grouping as a state
+    layer, and the kvarn-cache patch raises the hybrid block until a page holds one layer's tail
+    (Platform._align_hybrid_block_size takes the larger of the GDN state page and the tail).
+    ``max_seqs`` is kept for callers; nothing is reserved outside the pool.
     """
     v = _vllm()
     attn_token = attention_token_bytes(s, kv_dtype, tp)
     mamba_page = mamba_page_bytes(s, ssm_dtype, tp, num_spec)
-    bs = block_size(attn_token, mamba_page, requested_block, kernel_block(kv_dtype))
+    tail_layer = tail_layer_bytes(s, kv_dtype, tp)
+    bs = block_size(attn_token, max(mamba_page, tail_layer), requested_block, kernel_block(kv_dtype))
     page = bs * attn_token
     mode = "align" if prefix_cache else "none"
     attn = attention_spec(s, kv_dtype, tp, bs)
-    tail_layer = tail_layer_bytes(s, kv_dtype, tp)
-    tail_seat = tail_layer * s.attention_layers
-    reserved = tail_seat * max_seqs
     mamba = v.MambaSpec(shapes=state_shapes(s, tp, num_spec), dtypes=state_dtypes(s, ssm_dtype), block_size=bs,
                         page_size_padded=page if page != mamba_page else None, mamba_cache_mode=mode,
                         num_speculative_blocks=num_spec)
     specs = {f"model.layers.{i}": attn if kind == "full_attention" else mamba for i, kind in enumerate(s.layer_types)}
+    tails = tail_specs(s, kv_dtype, page, mode, tp)
+    specs.update(tails)
     cfg = v.config
     cfg.cache_config.mamba_cache_mode = mode
     cfg.cache_config.enable_prefix_caching = prefix_cache
@@ -233,14 +252,16 @@ def pool(s: Shape, kv_dtype: str, ssm_dtype: str, kv_bytes: int, max_len: int, r
     object.__setattr__(cfg, "model_config", SimpleNamespace(max_model_len=max_len))
     try:
         groups = v.utils.get_kv_cache_groups(cfg, specs)
-        kv_config = v.utils.get_kv_cache_config_from_groups(cfg, groups, max(0, kv_bytes - reserved))
+        kv_config = v.utils.get_kv_cache_config_from_groups(cfg, groups, max(0, kv_bytes))
         tokens, concurrency = v.utils.get_kv_cache_capacity(cfg, kv_config)
         match_unit = v.utils.resolve_kv_cache_block_sizes(kv_config, cfg)[1] if prefix_cache else 0
     finally:
         object.__setattr__(cfg, "model_config", None)
     state_groups = sum(1 for g in groups if isinstance(g.kv_cache_spec, v.MambaSpec))
+    tail_groups = sum(1 for g in groups if g.layer_names[0] in tails)
+    per_group = max(len(g.layer_names) for g in groups)
     return Pool(block_size=bs, page_bytes=page, mamba_page_bytes=mamba_page, attn_token_bytes=attn_token,
-                groups=len(groups), layers_per_group=max(len(g.layer_names) for g in groups),
+                groups=len(groups), layers_per_group=per_group,
                 blocks=kv_config.num_blocks, reported_tokens=tokens, max_concurrency=concurrency,
                 state_groups=state_groups, align=prefix_cache, num_spec=num_spec, tail_layer_bytes=tail_layer,
-                tail_seat_bytes=tail_seat, tail_reserved_bytes=reserved, match_unit=match_unit)
+                tail_seat_bytes=tail_groups * page * per_group, match_unit=match_unit)

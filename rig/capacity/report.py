@@ -61,7 +61,7 @@ def kv_table(s: shape.Shape, tp: int) -> dict[str, int]:
     """Bytes per token per attention layer for every cache dtype vLLM 0.28 has and rig plans (kvarn planned:
     its packed pages, from kernels/kvarn's layout; its per-seat tail is the pool's, not a per-token figure)."""
     table = {d: pages.attention_token_bytes(s, d, tp) for d in pages.KV_DTYPES}
-    table["kvarn (planned)"] = pages.attention_token_bytes(s, "kvarn", tp)
+    table["kvarn"] = pages.attention_token_bytes(s, "kvarn", tp)
     return table
 
 
@@ -132,7 +132,7 @@ def render(r: Report, width: int = 110) -> str:
     t.add_row("GDN state / seat", f"{r.state_per_seat:,} B",
               f"{k['MAMBA_SSM_DTYPE']} recurrent {r.state['recurrent']:,} + conv {r.state['conv']:,} B a layer; "
               f"+ {r.state_per_draft_token:,} B a draft token")
-    kv_now = b.pool.attn_token_bytes if b.pool else r.kv_token_bytes.get(f"{k['KV']} (planned)", 0)
+    kv_now = b.pool.attn_token_bytes if b.pool else r.kv_token_bytes.get(k["KV"], 0)
     t.add_row("KV / token / layer", f"{kv_now:,} B",
               ", ".join(f"{d} {v:,}" for d, v in r.kv_token_bytes.items()))
     if b.total_bytes:
@@ -148,8 +148,8 @@ def render(r: Report, width: int = 110) -> str:
                   f"{k['MAX_LEN']:,}: {p.max_concurrency:.2f}x")
         if p.tail_seat_bytes:
             t.add_row("kvarn tail", f"{p.tail_seat_bytes:,} B / seat", f"newest < {pages.kernel_block('kvarn')} "
-                      f"tokens unpacked, {p.tail_layer_bytes:,} B a layer; "
-                      f"{k['MAX_SEQS']} seats: {_g(p.tail_reserved_bytes)} of the KV cache")
+                      f"tokens unpacked, {p.tail_layer_bytes:,} B a layer in a companion state layer's "
+                      f"padded page; {k['MAX_SEQS']} seats: {_g(p.tail_seat_bytes * k['MAX_SEQS'])} of the pool")
         t.add_row("seats", f"{b.short_seats} short", f"{b.seats_at_max_len} at MAX_LEN; MAX_SEQS {k['MAX_SEQS']}; "
                   f"longest request {_n(b.max_len_fit)} tokens")
         t.add_row("KV_MEM", _n(b.kv_mem_exact), f"reproduces this pool; {_n(b.kv_mem_margin)} keeps a "

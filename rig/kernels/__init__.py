@@ -104,11 +104,20 @@ def plan_env() -> dict[str, str]:
     return {ENV_DIR: _in_checkout(paths.KERNELS), ENV_BUILD: _in_checkout(build_root())}
 
 
+ENV_KVARN = "VLLM_RIG_KVARN_DIR"
+"""The server's variable naming kernels/kvarn, whose vllm_backend.py is KV=kvarn's backend (patch kvarn-cache)."""
+
+
+def kvarn_env() -> dict[str, str]:
+    """The variable a KV=kvarn plan sets: kernels/kvarn (Python sources only: nothing is built for it yet)."""
+    return {ENV_KVARN: _in_checkout(paths.KERNELS / "kvarn")}
+
+
 def server_env(env: dict[str, str]) -> dict[str, str]:
     """A plan's env for the server process: the kernel paths made absolute (the server's working
     directory is its caller's, not the checkout)."""
     out = dict(env)
-    for key in (ENV_DIR, ENV_BUILD):
+    for key in (ENV_DIR, ENV_BUILD, ENV_KVARN):
         if key in out and not Path(out[key]).is_absolute():
             out[key] = str(paths.ROOT / out[key])
     return out
