@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +32,20 @@ def cpu_plan(profile: str, tmp: Path, **sets: str) -> Plan:
     """A plan of `profile` on the cpu platform, on a free port, with a key file under ``tmp``."""
     base = {"PORT": str(free_port()), "API_KEY_FILE": str(tmp / "api_key")}
     return resolve(profile, platform="cpu", environ={}, sets={**base, **sets})
+
+
+def interpreter_child(test_file: str, flag: str) -> tuple[int, str, str]:
+    """Run ``test_file``'s non-gpu cases in a child pytest under Triton's interpreter, with ``flag``=1 telling the
+    file it is the child: (exit code, stdout, the last 6,000 characters of its output for a failure message).
+
+    Triton decorates its own library when it is imported, in the mode TRITON_INTERPRET says then, so one
+    process cannot hold interpreted and compiled kernels (and in a full run vLLM may import triton first).
+    """
+    env = {**os.environ, "TRITON_INTERPRET": "1", flag: "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(test_file).resolve()), "-o", "addopts=", "-q",
+                           "-rfEs", "-p", "no:cacheprovider", "-m", "not gpu"], cwd=paths.ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    return proc.returncode, proc.stdout, (proc.stdout + proc.stderr)[-6000:]
 
 
 def start_server(plan: Plan, log_dir: Path) -> VllmServer:

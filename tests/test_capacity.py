@@ -200,25 +200,52 @@ def test_kvarn_hybrid_block_with_rigs_backend_is_vllms_rule_and_the_planners(vll
     assert p.page_bytes >= pages.tail_layer_bytes(s, "kvarn")
 
 
-def test_kvarn_tails_are_a_state_group_of_vllms_own_grouping():
-    """KV=kvarn keeps each running request's newest < 128 tokens in a companion state layer per attention layer
-    (a MambaSpec, one block a request: docs/kvarn.md, "The backend in vLLM"). vLLM's own grouping of the real
-    shape puts the 16 companions in a group of their own, padded to the common page, beside the attention and
-    GDN groups; a seat then holds one block of it: 16 pages, 27,262,976 B with fp16 state, which the plan shows."""
-    s = shape.real_shape()
-    p = pages.pool(s, "kvarn", "float16", 8 * 2**30, 4096, 128)
-    assert (p.block_size, p.page_bytes, p.layers_per_group) == (2048, 2048 * 832, 16)
-    assert p.groups == 5 and p.state_groups == 4  # 3 GDN groups, 1 attention group, 1 tail group
-    assert p.tail_layer_bytes == 524_288 and p.tail_seat_bytes == 16 * 2048 * 832 == 27_262_976
-    plain = pages.pool(s, "fp8", "float16", 8 * 2**30, 4096, 0)
-    assert plain.state_groups == 3 and plain.tail_seat_bytes == 0
+@pytest.mark.parametrize(("ssm", "per", "groups", "seat"), [("float16", 2, 9, 8 * 2048 * 832),
+                                                            ("float32", 4, 17, 4 * 3968 * 832)])
+def test_kvarn_tails_share_companions_that_vllm_groups_as_state(vllm_configs, ssm, per, groups, seat):
+    """KV=kvarn keeps each running request's newest < 128 tokens in companion state layers (MambaSpec, one block a
+    request: docs/kvarn.md, "The backend in vLLM"). The backend puts as many layers' tails in one companion as
+    fit the GDN state page and divide the 16 attention layers (2 with fp16 state, 4 with fp32), so vLLM's own
+    grouping makes groups of 8 (4) layers and a seat holds 8 (4) tail pages, not 16. The companions the backend
+    builds on a VllmConfig of the real shape have the planner's spec, and the planner's pool counts the extra
+    attention group a request then needs (its seats are below the block count / pages arithmetic of one group)."""
+    import sys
+    import types
+
+    from vllm.platforms.interface import Platform
+
+    vc, s = vllm_configs["real"]
+    backend = _kvarn_backend_class()
+    mod = sys.modules[backend.__module__]
+    cc = vc.cache_config
+    cc.cache_dtype, cc.mamba_ssm_cache_dtype, cc.mamba_cache_mode = "kvarn", ssm, "none"
+    cc.block_size, cc.mamba_block_size, cc.mamba_page_size_padded = 128, 4096, None
+    Platform._align_hybrid_block_size(vc, backend)
+    p = pages.pool(s, "kvarn", ssm, 8 * 2**30, 4096, 128)
+    assert (cc.block_size, p.block_size) == (p.block_size, {"float16": 2048, "float32": 3968}[ssm])
+    assert mod.tails_per_companion(16, 524_288, pages.mamba_page_bytes(s, ssm)) == per
+    vc.compilation_config.static_forward_context.clear()
+    layers = [types.SimpleNamespace(num_kv_heads=4, head_size=256) for _ in range(s.attention_layers)]
+    tails = [backend.make_companion(layer, f"model.layers.{4 * i + 3}.self_attn.attn", vc)
+             for i, layer in enumerate(layers)]
+    assert [layer.rig_kvarn_slot for layer in layers] == list(range(per)) * (16 // per)
+    unique = list(dict.fromkeys(tails))
+    planned = pages.tail_specs(s, "kvarn", p.page_bytes, "none", per)
+    assert list(planned) == [t.prefix for t in unique] and len(unique) == 16 // per
+    spec = unique[0].get_kv_cache_spec(vc)
+    assert (spec.shapes, spec.dtypes, spec.page_size_bytes) == (
+        planned[unique[0].prefix].shapes, planned[unique[0].prefix].dtypes, p.page_bytes)
+    assert p.groups == groups and p.layers_per_group == 16 // per and p.tail_seat_bytes == seat
+    assert p.attention_groups == per and p.seats(4096) == (p.blocks - 1) // (p.state_groups + per * 2)
+    vc.compilation_config.static_forward_context.clear()
+
+
+def test_kvarn_plan_shows_the_tail_pages_a_seat_takes():
     plan = resolve("kvarn", platform="gpu", environ={}, sets={"KV_MEM": str(8 * 2**30)})
     r = report.for_plan(plan, RTX3090)
-    assert r.budget.pool.tail_seat_bytes == p.tail_seat_bytes
-    assert r.budget.pool.seats(1) == (r.budget.pool.blocks - 1) // (4 + 1)  # 3 GDN + 1 tail state blocks + 1 page
     text = report.render(r)
-    assert "kvarn tail" in text and "27,262,976 B / seat" in text and "524,288 B a layer" in text
-    assert [w for w in r.budget.warnings if w.startswith("KV='kvarn' (rig's backend") and "27,262,976 B" in w]
+    assert "kvarn tail" in text and "13,631,488 B / seat" in text and "524,288 B a layer" in text
+    assert [w for w in r.budget.warnings if w.startswith("KV='kvarn' (rig's backend") and "13,631,488 B" in w]
 
 
 def test_tiny_pool_is_what_a_live_cpu_server_reported():

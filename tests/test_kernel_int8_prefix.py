@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from rig.kernels import load_file, module_name
+from tests.conftest import interpreter_child
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels" / "int8-prefill-attn"
 ROOT = KERNEL_DIR.parents[1]
@@ -122,13 +123,9 @@ in_child_only = pytest.mark.skipif(not CHILD, reason="runs in the interpreter ch
 @pytest.mark.skipif(CHILD or not HAS_TRITON, reason="the child run itself, or triton is not installed")
 def test_the_prefix_kernel_in_the_triton_interpreter():
     """The interpreter cases below, run by Triton's interpreter on CPU tensors in a child pytest."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "RIG_INT8_PREFIX_INTERPRETER_CHILD": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-o", "addopts=", "-q",
-                           "-rfEs", "-p", "no:cacheprovider", "-m", "not gpu"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"interpreter run failed (exit {proc.returncode}):\n{tail}"
-    assert "\n2 passed" in proc.stdout and " failed" not in proc.stdout, tail  # both interpreter cases ran
+    code, out, tail = interpreter_child(__file__, "RIG_INT8_PREFIX_INTERPRETER_CHILD")
+    assert code == 0, f"interpreter run failed (exit {code}):\n{tail}"
+    assert "\n2 passed" in out and " failed" not in out, tail  # both interpreter cases ran
 
 
 @in_child_only

@@ -28,17 +28,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from rig.kernels import load_file, module_name
+from tests.conftest import interpreter_child
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels" / "kvarn"
-ROOT = KERNEL_DIR.parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
 CHILD = os.environ.get("RIG_KVARN_INTERPRETER_CHILD") == "1"
@@ -77,13 +75,9 @@ def dev(request):
 @pytest.mark.skipif(CHILD, reason="this is the child run")
 def test_kernels_in_the_triton_interpreter():
     """Every dev-parametrized check below, run by Triton's interpreter on CPU tensors in a child pytest."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "RIG_KVARN_INTERPRETER_CHILD": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-o", "addopts=", "-q",
-                           "-rfEs", "-p", "no:cacheprovider", "-m", "not gpu"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"interpreter run failed (exit {proc.returncode}):\n{tail}"
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, tail  # the summary line: "N passed, 1 skipped"
+    code, out, tail = interpreter_child(__file__, "RIG_KVARN_INTERPRETER_CHILD")
+    assert code == 0, f"interpreter run failed (exit {code}):\n{tail}"
+    assert " passed" in out and " failed" not in out, tail  # the summary line: "N passed, 1 skipped"
 
 
 _SEEDS = random.Random(int(os.environ["RIG_TEST_SEED"]) if "RIG_TEST_SEED" in os.environ else None)

@@ -92,6 +92,34 @@ def tail_bytes(num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
     return reference.tail_bytes(num_kv_heads, head_size, get_dtype_size(dtype), GROUP)
 
 
+def tails_per_companion(attention_layers: int, tail: int, state_page: int) -> int:
+    """How many attention layers share one tail companion.
+
+    The most whose tails fit the model's own state page (so the companions never raise the hybrid
+    block) and that divide the attention layers evenly: vLLM puts layers in groups of the smallest
+    layer kind's count and pads the others up to a multiple of it, so an uneven split would pad the
+    attention groups. 1 when not even two tails fit. The real shape: 16 layers, 524,288 B tails, a
+    1,634,304 B fp16 state page -> 2 (8 companions, 8 pages a seat instead of 16).
+    """
+    fits = [k for k in range(1, attention_layers + 1) if attention_layers % k == 0 and k * tail <= state_page]
+    return max(fits, default=1)
+
+
+def _layout(vllm_config) -> tuple[int, int, int]:
+    """(attention layers, one layer's tail bytes, tails a companion) of the model vLLM is building."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(mc.architecture, model_config=mc)
+    state_page = MambaSpec(shapes=model_cls.get_mamba_state_shape_from_config(vllm_config),
+                           dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
+                           block_size=-1).page_size_bytes
+    layers = mc.get_num_layers_by_block_type(pc, "attention")
+    tail = tail_bytes(mc.get_num_kv_heads(pc), mc.get_head_size(), mc.dtype)
+    return layers, tail, tails_per_companion(layers, tail, state_page)
+
+
 # ----------------------------------------------------------------------------- the tail companion
 
 @dataclass
@@ -138,14 +166,15 @@ class KvarnTailBackend(AttentionBackend):
 
 
 class KvarnTail(MambaBase):
-    """One kvarn attention layer's tails: K and V [128, kv heads, head_dim] per request, a MambaSpec state.
+    """The tails of ``slots`` kvarn attention layers: K and V [slots, 128, kv heads, head_dim] per request,
+    a MambaSpec state; each layer reads its own slot (``layer.rig_kvarn_slot``).
 
     vLLM allocates one block of it per request with prefix caching off, keeps it while the request
     lives (scheduled or not), frees it at the end and at preemption (which recomputes the request, so
     the tail is rewritten). Blocks are not zeroed: rows past ``len % 128`` are never read.
     """
 
-    def __init__(self, layer: torch.nn.Module, prefix: str, vllm_config) -> None:
+    def __init__(self, layer: torch.nn.Module, prefix: str, vllm_config, slots: int = 1) -> None:
         super().__init__()
         cache = vllm_config.cache_config
         if cache.mamba_cache_mode != "none":
@@ -156,6 +185,7 @@ class KvarnTail(MambaBase):
         self.prefix = prefix
         self.layer_name = prefix
         self.num_kv_heads, self.head_size = layer.num_kv_heads, layer.head_size
+        self.slots, self.used = slots, 0
         self.dtype = vllm_config.model_config.dtype
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
         ctx = vllm_config.compilation_config.static_forward_context
@@ -164,7 +194,7 @@ class KvarnTail(MambaBase):
         ctx[prefix] = self
 
     def get_state_shape(self):
-        shape = (GROUP, self.num_kv_heads, self.head_size)
+        shape = (self.slots, GROUP, self.num_kv_heads, self.head_size)
         return shape, shape
 
     def get_state_dtype(self):
@@ -178,7 +208,7 @@ class KvarnTail(MambaBase):
         """MambaBase's spec, padded to the attention page (block x kv heads x 208 B): the common page size."""
         spec = super().get_kv_cache_spec(vllm_config)
         page = vllm_config.cache_config.block_size * self.num_kv_heads * head_bytes(self.head_size)
-        need = tail_bytes(self.num_kv_heads, self.head_size, self.dtype)
+        need = self.slots * tail_bytes(self.num_kv_heads, self.head_size, self.dtype)
         if page < need:
             raise ValueError(f"KV=kvarn: the attention page ({page} B) cannot hold a request's tail ({need} B); "
                              "the kvarn-cache patch raises the hybrid block so that it does: is it applied?")
@@ -246,7 +276,7 @@ class KvarnAttentionImpl(AttentionImpl):
         if attn_metadata is None:  # the profiling run: no cache yet
             return output.fill_(0)
         tail = getattr(layer, COMPANION)
-        tail_k, tail_v = tail.kv_cache
+        tail_k, tail_v = (t[:, layer.rig_kvarn_slot] for t in tail.kv_cache)
         slots = get_forward_context().attn_metadata[tail.prefix].slots.tolist()
         pages = kv_cache.view(-1, self.page_bytes)
         qsl = attn_metadata.query_start_loc_cpu.tolist()
@@ -351,11 +381,24 @@ class KvarnAttentionBackend(AttentionBackend):
 
     @classmethod
     def companion_page_bytes(cls, vllm_config) -> int:
-        """The page one layer's tail companion needs (the patch raises the hybrid mamba page to it)."""
-        mc = vllm_config.model_config
-        return tail_bytes(mc.get_num_kv_heads(vllm_config.parallel_config), mc.get_head_size(), mc.dtype)
+        """The page a tail companion needs (the patch raises the hybrid mamba page to it when larger)."""
+        _, tail, per = _layout(vllm_config)
+        return per * tail
 
     @classmethod
     def make_companion(cls, layer: torch.nn.Module, prefix: str, vllm_config) -> KvarnTail:
-        """The layer's tail companion, registered in vLLM's forward context as ``<prefix>.rig_companion``."""
-        return KvarnTail(layer, f"{prefix}.{COMPANION}", vllm_config)
+        """The layer's tail companion: the open one while it has a free slot (``tails_per_companion`` layers
+        share one), else a new one registered in vLLM's forward context as ``<prefix>.rig_companion``. The
+        layer's slot in it is ``layer.rig_kvarn_slot``."""
+        ctx = vllm_config.compilation_config.static_forward_context
+        tail = _OPEN.get(id(ctx))
+        if tail is None or tail.used == tail.slots:
+            tail = KvarnTail(layer, f"{prefix}.{COMPANION}", vllm_config, _layout(vllm_config)[2])
+            _OPEN[id(ctx)] = tail
+        layer.rig_kvarn_slot = tail.used
+        tail.used += 1
+        return tail
+
+
+_OPEN: dict[int, KvarnTail] = {}
+"""The companion still taking layers, per model being built (keyed by its forward context)."""

@@ -127,19 +127,20 @@ def plan_budget(knobs: dict[str, Any], platform: str, s: Shape, card: cards.Card
                    bool(knobs["PREFIX_CACHE"]), num_spec(knobs), knobs["TP"], max_seqs=knobs["MAX_SEQS"])
     b.pool = p
     if kv_dtype == "kvarn":
+        per = pages.tails_per_companion(s, kv_dtype, knobs["MAMBA_SSM_DTYPE"], knobs["TP"], num_spec(knobs))
         b.warnings.append(
             f"KV='kvarn' ({cards.data()['planned_kv']['kvarn']['status']}) packs {p.attn_token_bytes:,} B a token "
             f"and layer into whole {pages.kernel_block('kvarn')}-token groups and keeps each running sequence's newest "
-            f"< {pages.kernel_block('kvarn')} tokens unpacked in a companion state layer per attention layer: "
-            f"{p.tail_seat_bytes:,} B of the pool a seat ({s.attention_layers} attention layers, "
-            f"{p.tail_layer_bytes:,} B each padded to a {p.page_bytes:,} B page; docs/kvarn.md)")
+            f"< {pages.kernel_block('kvarn')} tokens unpacked in companion state layers, {per} attention layers' "
+            f"tails of {p.tail_layer_bytes:,} B each to a {p.page_bytes:,} B page: {p.tail_seat_bytes:,} B of the "
+            f"pool a seat ({s.attention_layers} attention layers; docs/kvarn.md)")
     verdict(b, p, knobs, float(ov["warn_margin"]), float(ov["kv_mem_margin"]))
     return b
 
 
 def more_kv(b: Budget, p: pages.Pool, knobs: dict[str, Any]) -> str:
     """How to give one MAX_LEN request its room: the KV_MEM that holds it, or what frees memory on a GPU."""
-    blocks = 1 + p.state_blocks(knobs["MAX_LEN"]) + -(-knobs["MAX_LEN"] // p.block_size)
+    blocks = 1 + p.state_blocks(knobs["MAX_LEN"]) + p.attention_groups * -(-knobs["MAX_LEN"] // p.block_size)
     if knobs["KV_MEM"]:
         return f"KV_MEM={p.kv_bytes_for(blocks)} (the {blocks} blocks it needs)"
     return f"free {_gib(p.kv_bytes_for(blocks) - b.kv_bytes)} more for the KV cache (GPU_UTIL, a bigger card)"
@@ -168,7 +169,8 @@ def verdict(b: Budget, p: pages.Pool, knobs: dict[str, Any], warn_margin: float,
         tails = (f", {p.state_groups} of them state: the kvarn tail's {p.tail_seat_bytes:,} B among them"
                  if p.tail_seat_bytes else "")
         b.warnings.append(f"MAX_SEQS={seats}: only {b.short_seats} short requests fit the pool at once (each "
-                          f"takes {state + 1} blocks{tails}); the rest wait. MAX_SEQS={b.short_seats} fits")
+                          f"takes {state + p.attention_groups} blocks{tails}); the rest wait. "
+                          f"MAX_SEQS={b.short_seats} fits")
     elif b.short_seats < seats * (1 + warn_margin):
         b.warnings.append(f"MAX_SEQS={seats} is within {warn_margin:.0%} of the {b.short_seats} short requests "
                           "the pool holds: a little less memory and requests wait")

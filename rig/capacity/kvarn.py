@@ -19,6 +19,8 @@ from rig.kernels import load_file, module_name
 REFERENCE = paths.ROOT / "kernels" / "kvarn" / "reference.py"
 # The module name kernels/kvarn/kvarn_triton.py and the kvarn tests load reference.py under: one module object.
 MODULE = module_name("kvarn", "reference")
+BACKEND = "vllm_rig_kvarn"
+"""The module name the kvarn-cache patch loads kernels/kvarn/vllm_backend.py under: one module object."""
 
 
 @cache
@@ -45,6 +47,13 @@ def head_token_bytes(head_dim: int) -> int:
         raise ValueError(f"head_dim={head_dim}: a KVarN group of one head takes {total} B, not a whole number of "
                          f"bytes for each of its {group} tokens (a head_dim that is a multiple of 32 is)")
     return total // group
+
+
+def tails_per_companion(attention_layers: int, tail: int, state_page: int) -> int:
+    """Attention layers whose tails share one companion state layer: the backend's own rule
+    (kernels/kvarn/vllm_backend.py, which imports vLLM; the planner has it imported already)."""
+    return load_file(paths.ROOT / "kernels" / "kvarn" / "vllm_backend.py", BACKEND).tails_per_companion(
+        attention_layers, tail, state_page)
 
 
 def tail_bytes(kv_heads: int, head_dim: int, value_bytes: int) -> int:

@@ -191,13 +191,21 @@ class Pool:
         per_group = (2 if self.align and context > self.block_size else 1) + self.num_spec
         return self.state_groups * per_group
 
+    @property
+    def attention_groups(self) -> int:
+        """Groups of attention layers: a request takes a block in each for every block_size tokens (more than
+        one when a smaller state group sets vLLM's group size, as kvarn's tail companions can)."""
+        return self.groups - self.state_groups
+
     def seats(self, context: int) -> int:
         """Requests of ``context`` tokens that fit at once (block 0 is vLLM's null block)."""
-        return (self.blocks - 1) // (self.state_blocks(context) + -(-context // self.block_size))
+        pages = self.attention_groups * -(-context // self.block_size)
+        return (self.blocks - 1) // (self.state_blocks(context) + pages)
 
     def max_len_fit(self) -> int:
         """The longest request the pool can ever hold beside its own state."""
-        return max(0, (self.blocks - 1 - self.state_blocks(self.block_size + 1)) * self.block_size)
+        free = self.blocks - 1 - self.state_blocks(self.block_size + 1)
+        return max(0, free // max(1, self.attention_groups) * self.block_size)
 
 
 def tail_layer_bytes(s: Shape, kv_dtype: str, tp: int = 1) -> int:
@@ -208,34 +216,45 @@ def tail_layer_bytes(s: Shape, kv_dtype: str, tp: int = 1) -> int:
     return kvarn.tail_bytes(max(1, s.num_key_value_heads // tp), s.head_dim, s.dtype_bytes)
 
 
-def tail_specs(s: Shape, kv_dtype: str, page: int, mode: str, tp: int = 1) -> dict[str, Any]:
+def tails_per_companion(s: Shape, kv_dtype: str, ssm_dtype: str, tp: int = 1, num_spec: int = 0) -> int:
+    """KV=kvarn: attention layers whose tails share one companion (the backend's rule, rig/capacity/kvarn.py);
+    0 for other dtypes."""
+    if kv_dtype != "kvarn":
+        return 0
+    return kvarn.tails_per_companion(s.attention_layers, tail_layer_bytes(s, kv_dtype, tp),
+                                     mamba_page_bytes(s, ssm_dtype, tp, num_spec))
+
+
+def tail_specs(s: Shape, kv_dtype: str, page: int, mode: str, per: int, tp: int = 1) -> dict[str, Any]:
     """KV=kvarn's tail companions as rig's backend gives them to vLLM (kernels/kvarn/vllm_backend.py,
-    KvarnTail): one MambaSpec layer per attention layer, K and V [128, kv heads, head_dim] in the model's
-    dtype, padded to the common page; vLLM gives each request one block of them. None for other dtypes."""
+    KvarnTail): a MambaSpec layer for every ``per`` attention layers, K and V [per, 128, kv heads, head_dim]
+    in the model's dtype, padded to the common page, named after its first layer; vLLM gives each request
+    one block of them. None for other dtypes."""
     if kv_dtype != "kvarn":
         return {}
     v = _vllm()
-    shape = (kernel_block("kvarn"), max(1, s.num_key_value_heads // tp), s.head_dim)
+    shape = (per, kernel_block("kvarn"), max(1, s.num_key_value_heads // tp), s.head_dim)
     spec = v.MambaSpec(shapes=(shape, shape), dtypes=(model_dtype(s),) * 2, block_size=page,
                        page_size_padded=page, mamba_type=v.mamba_custom, mamba_cache_mode=mode)
-    return {f"model.layers.{i}.self_attn.attn.rig_companion": spec
-            for i, kind in enumerate(s.layer_types) if kind == "full_attention"}
+    attention = [i for i, kind in enumerate(s.layer_types) if kind == "full_attention"]
+    return {f"model.layers.{i}.self_attn.attn.rig_companion": spec for i in attention[::per]}
 
 
 def pool(s: Shape, kv_dtype: str, ssm_dtype: str, kv_bytes: int, max_len: int, requested_block: int = 0,
          prefix_cache: bool = False, num_spec: int = 0, tp: int = 1, max_seqs: int = 0) -> Pool:
     """The KV pool of ``kv_bytes`` bytes: vLLM's grouping, block count and reported token figure.
 
-    KV=kvarn: each attention layer's tail companion (``tail_specs``) joins vLLM's grouping as a state
-    layer, and the kvarn-cache patch raises the hybrid block until a page holds one layer's tail
-    (Platform._align_hybrid_block_size takes the larger of the GDN state page and the tail).
+    KV=kvarn: the tail companions (``tail_specs``) join vLLM's grouping as state layers, and the
+    kvarn-cache patch raises the hybrid block until a page holds a companion's tails
+    (Platform._align_hybrid_block_size takes the larger of the GDN state page and that).
     ``max_seqs`` is kept for callers; nothing is reserved outside the pool.
     """
     v = _vllm()
     attn_token = attention_token_bytes(s, kv_dtype, tp)
     mamba_page = mamba_page_bytes(s, ssm_dtype, tp, num_spec)
     tail_layer = tail_layer_bytes(s, kv_dtype, tp)
-    bs = block_size(attn_token, max(mamba_page, tail_layer), requested_block, kernel_block(kv_dtype))
+    per = tails_per_companion(s, kv_dtype, ssm_dtype, tp, num_spec)
+    bs = block_size(attn_token, max(mamba_page, per * tail_layer), requested_block, kernel_block(kv_dtype))
     page = bs * attn_token
     mode = "align" if prefix_cache else "none"
     attn = attention_spec(s, kv_dtype, tp, bs)
@@ -243,7 +262,7 @@ def pool(s: Shape, kv_dtype: str, ssm_dtype: str, kv_bytes: int, max_len: int, r
                         page_size_padded=page if page != mamba_page else None, mamba_cache_mode=mode,
                         num_speculative_blocks=num_spec)
     specs = {f"model.layers.{i}": attn if kind == "full_attention" else mamba for i, kind in enumerate(s.layer_types)}
-    tails = tail_specs(s, kv_dtype, page, mode, tp)
+    tails = tail_specs(s, kv_dtype, page, mode, per, tp)
     specs.update(tails)
     cfg = v.config
     cfg.cache_config.mamba_cache_mode = mode

@@ -148,8 +148,8 @@ def render(r: Report, width: int = 110) -> str:
                   f"{k['MAX_LEN']:,}: {p.max_concurrency:.2f}x")
         if p.tail_seat_bytes:
             t.add_row("kvarn tail", f"{p.tail_seat_bytes:,} B / seat", f"newest < {pages.kernel_block('kvarn')} "
-                      f"tokens unpacked, {p.tail_layer_bytes:,} B a layer in a companion state layer's "
-                      f"padded page; {k['MAX_SEQS']} seats: {_g(p.tail_seat_bytes * k['MAX_SEQS'])} of the pool")
+                      f"tokens unpacked, {p.tail_layer_bytes:,} B a layer, in companion state layers' padded "
+                      f"pages; {k['MAX_SEQS']} seats: {_g(p.tail_seat_bytes * k['MAX_SEQS'])} of the pool")
         t.add_row("seats", f"{b.short_seats} short", f"{b.seats_at_max_len} at MAX_LEN; MAX_SEQS {k['MAX_SEQS']}; "
                   f"longest request {_n(b.max_len_fit)} tokens")
         t.add_row("KV_MEM", _n(b.kv_mem_exact), f"reproduces this pool; {_n(b.kv_mem_margin)} keeps a "
