@@ -41,13 +41,17 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def test_a_request_through_chunks_and_decode_matches_the_format_reference(backend):
+@pytest.mark.parametrize("method", ["kvarn", "rtn"])
+def test_a_request_through_chunks_and_decode_matches_the_format_reference(backend, monkeypatch, method):
     """One request's life through KvarnAttentionImpl: a 300-token chunk, a 200-token chunk, then 70 decode steps
     (crossing the 512-token group boundary), pages scattered in a pool. Each step's output equals causal
     attention over reference.cached_context (packed groups round-tripped, the unpacked tail and the step's
     tokens as they are) within TOL; every full group's page holds the reference's bytes for those tokens.
     Negative control: attention over the exact K/V (no cache quantization) misses by far more than TOL once a
-    group is packed, so the check sees the quantization."""
+    group is packed, so the check sees the quantization. ``rtn`` (VLLM_RIG_KVARN_METHOD, the baseline at the same
+    bytes) is held to the reference with rotation and normalization off."""
+    monkeypatch.setattr(backend, "METHOD", method)
+    on = method == "kvarn"
     g = torch.Generator().manual_seed(5)
     total = 300 + 200 + 70
     k = (torch.randn(total, HKV, D, generator=g) * torch.linspace(0.5, 4, D)).to(torch.bfloat16)
@@ -63,8 +67,8 @@ def test_a_request_through_chunks_and_decode_matches_the_format_reference(backen
     for a, b in steps:
         out = torch.full((b - a, HQ, D), float("nan"), dtype=torch.float32)
         impl._request(q[a:b], k[a:b], v[a:b], out, pool, table, tail_k, tail_v, b)
-        k_ctx = r.cached_context(k[:a].float(), r.K_BITS)
-        v_ctx = r.cached_context(v[:a].float(), r.V_BITS)
+        k_ctx = r.cached_context(k[:a].float(), r.K_BITS, on, on)
+        v_ctx = r.cached_context(v[:a].float(), r.V_BITS, on, on)
         want = _expected(q[a:b], k_ctx, v_ctx, k[a:b], v[a:b], a)
         worst = max(worst, _rel(out, want))
         if a >= G:
@@ -73,7 +77,8 @@ def test_a_request_through_chunks_and_decode_matches_the_format_reference(backen
     assert exact_gap > 100 * TOL, exact_gap
     for grp in range(total // G):
         sl = slice(grp * G, (grp + 1) * G)
-        want = torch.cat([r.quantize(k[sl], r.K_BITS).to_tensor(), r.quantize(v[sl], r.V_BITS).to_tensor()])
+        want = torch.cat([r.quantize(k[sl], r.K_BITS, on, on).to_tensor(),
+                          r.quantize(v[sl], r.V_BITS, on, on).to_tensor()])
         assert torch.equal(pool[int(table[grp])], want), grp
     held = total % G
     assert torch.equal(tail_k[:held], k[total - held:]) and torch.equal(tail_v[:held], v[total - held:])

@@ -246,7 +246,7 @@ def test_knobs_default_off_in_the_patched_envs(tmp_path, wheels, monkeypatch):
     assert envs.VLLM_MARLIN_INT8_INCLUDE_RE == "" and envs.VLLM_MARLIN_INT8_EXCLUDE_RE == "lm_head|mtp"
     assert envs.VLLM_TOOL_CHOICE_SHARED_ENGINE is False
     assert envs.VLLM_RIG_PREFILL_ATTN == "" and envs.VLLM_RIG_KERNELS_DIR == ""
-    assert envs.VLLM_RIG_KVARN_DIR == ""
+    assert envs.VLLM_RIG_KVARN_DIR == "" and envs.VLLM_RIG_KVARN_METHOD == "kvarn"
     monkeypatch.setenv("VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS", "1")
     assert envs.VLLM_MAMBA_ALIGN_KEEP_CHECKPOINTS is True
 
@@ -268,6 +268,7 @@ COMPILE_FACTORS = {
     "VLLM_RIG_KERNELS_DIR": ("/opt/rig/kernels", False),
     "VLLM_RIG_CPU_ATTN_AMX": ("0", True),  # which attention kernel the CPU backend builds into what it runs
     "VLLM_RIG_KVARN_DIR": ("/opt/rig/kernels/kvarn", False),  # where the backend's file is; the dtype is hashed
+    "VLLM_RIG_KVARN_METHOD": ("rtn", False),  # inside the attention op, which compiled graphs call opaquely
 }
 NOT_A_FACTOR = re.compile(r"(?:is not a|[Nn]either knob is a) compile factor")
 

@@ -70,6 +70,9 @@ def _load_reference():
 
 reference = _load_reference()
 GROUP = reference.GROUP_TOKENS
+METHOD = "kvarn"
+"""What the pages store: "kvarn" (rotation + dual normalization + RTN) or "rtn" (the same layout, plain per-token
+RTN: the baseline at the same bytes). The kvarn-cache patch sets it from VLLM_RIG_KVARN_METHOD after loading."""
 LOG_EVERY_S = 10.0
 """Seconds between the backend's progress lines in the server log (the first group packed logs at once)."""
 STATS = {"groups_packed": 0, "group_reads": 0, "steps": 0}
@@ -264,9 +267,9 @@ class KvarnAttentionImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.page_bytes = reference.page_bytes(num_kv_heads, head_size, GROUP)
         if not STATS["steps"] and not _logged[0]:
-            logger.info_once("rig kvarn backend (torch engine, the format's reference arithmetic): %d B pages of "
-                             "%d-token groups (%d B a token and layer), each request's tail in a companion state layer",
-                             self.page_bytes, GROUP, self.page_bytes // GROUP)
+            logger.info_once("rig kvarn backend (torch engine, the format's reference arithmetic, method %s): %d B "
+                             "pages of %d-token groups (%d B a token and layer), each request's tail in a companion "
+                             "state layer", METHOD, self.page_bytes, GROUP, self.page_bytes // GROUP)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: KvarnMetadata | None, output: torch.Tensor | None = None, output_scale=None,
@@ -301,7 +304,7 @@ class KvarnAttentionImpl(AttentionImpl):
         heads, dim = self.num_kv_heads, self.head_size
         ks, vs = [], []
         for g in range(done):
-            k, v = reference.read_page(pages[int(table[g])], heads, dim, GROUP)
+            k, v = reference.read_page(pages[int(table[g])], heads, dim, GROUP, rotated=METHOD == "kvarn")
             ks.append(k)
             vs.append(v)
         STATS["group_reads"] += done
@@ -312,7 +315,8 @@ class KvarnAttentionImpl(AttentionImpl):
         full, rest = divmod(held + n, GROUP)
         for i in range(full):
             sl = slice(i * GROUP, (i + 1) * GROUP)
-            reference.write_page(pages[int(table[done + i])], fresh_k[sl], fresh_v[sl])
+            kvarn = METHOD == "kvarn"
+            reference.write_page(pages[int(table[done + i])], fresh_k[sl], fresh_v[sl], kvarn, kvarn)
         STATS["groups_packed"] += full
         tail_k[:rest].copy_(fresh_k[full * GROUP:].to(tail_k.dtype))
         tail_v[:rest].copy_(fresh_v[full * GROUP:].to(tail_v.dtype))
