@@ -39,7 +39,7 @@ class Knobs(BaseModel):
         description=(
             "KV cache dtype (--kv-cache-dtype); `*_per_token_head` (Triton backend) and `turboquant_*` (TurboQuant "
             "backend) are vLLM's own, CUDA only, `fp8_per_token_head` from sm89; `kvarn` = the KVarN 4/2-bit cache "
-            "(262k context, needs kernels/kvarn and BLOCK_SIZE a multiple of 128)"
+            "(262k context: rig's backend, patch kvarn-cache; BLOCK_SIZE a multiple of 128, PREFIX_CACHE=0)"
         )
     )
     INT8_ACT: Literal["", "int8", "fp8"] = Field(

@@ -141,3 +141,18 @@ def test_the_patched_platforms_load_rigs_backend_for_kvarn_and_name_the_missing_
     assert resolve_obj_by_qualname(path) is sys.modules["vllm_rig_kvarn"].KvarnAttentionBackend
     auto = CpuPlatform.get_attn_backend_cls(None, AttentionSelectorConfig(kv_cache_dtype="auto", **cfg))
     assert auto.endswith("CPUAttentionBackend")
+
+
+def test_engine_perplexity_bench_refuses_bad_input_before_any_server_starts():
+    """bench/scripts/kvarn_engine_ppl.py: an unknown method or set, or windows no longer than a step (no token
+    would attend over the cache), stop it with the reason before a server is started."""
+    import subprocess
+    import sys
+
+    script = paths.ROOT / "bench" / "scripts" / "kvarn_engine_ppl.py"
+    for args, why in ((["--methods", "auto,fp4"], "--methods 'auto,fp4': each of auto, kvarn, rtn"),
+                      (["--sets", "wikitext3"], "--sets 'wikitext3': sets of quality/perplexity.toml"),
+                      (["--window-tokens", "2048"], "--window-tokens 2048 must exceed the step of 2048 tokens")):
+        r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0 and why in r.stderr, (args, r.stderr[-2000:])
+        assert "vllm serve" not in r.stderr and "Starting vLLM" not in r.stderr

@@ -12,11 +12,11 @@ How the format (reference.py) maps onto vLLM's cache (docs/kvarn.md, "The backen
   one group's K then V, reference.py's bytes. A request's block table lists the page of each group.
 - **The tail.** A group is packed only when its 128 tokens are all there; the newest ``len % 128``
   tokens of a request stay unpacked. vLLM gives a layer per-request memory only through a
-  ``MambaSpec`` (one block a request while it lives, with prefix caching off), so every kvarn
-  attention layer owns a companion layer (``KvarnTail``, registered by the patch's hook in
-  ``Attention.__init__``) whose state is that layer's tail: K and V, [128, kv heads, head_dim] in the
-  model's dtype. The patch raises the hybrid model's mamba page to hold it, so the tail group shares
-  vLLM's common page size.
+  ``MambaSpec`` (one block a request while it lives, with prefix caching off), so the kvarn
+  attention layers get companion layers (``KvarnTail``, made through the patch's hook in
+  ``Attention.__init__``; ``tails_per_companion`` layers share one) whose state is their tails: K and
+  V, [layers, 128, kv heads, head_dim] in the model's dtype. The patch raises the hybrid model's mamba
+  page to hold a companion, so the tail group shares vLLM's common page size.
 - **Forward** (``engine`` ``torch``): per request, the context = the request's packed groups
   dequantized (reference.read_page) + its tail + the step's new tokens at full precision; causal
   attention in float32; then the tail and the new tokens are written back: every group they fill is

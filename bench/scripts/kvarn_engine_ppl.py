@@ -1,0 +1,130 @@
+"""KV=kvarn's quality inside vLLM: perplexity with the packed cache vs vLLM's own cache vs plain RTN.
+
+Serves the kvarn profile three times on the cpu platform (rig's plan, preflight and readiness as `serve`
+does), one after another: ``auto`` (KV=auto: vLLM's CPU attention over a bf16 cache), ``kvarn`` (rig's
+backend, KVarN's rotation + normalization + RTN) and ``rtn`` (the same backend and bytes,
+VLLM_RIG_KVARN_METHOD=rtn: plain per-token RTN). Each server scores the same windows of held-out text
+through ``prompt_logprobs`` (rig.quality.perplexity.window_nll). A window longer than a step
+(max_num_batched_tokens, 2,048 on the cpu profile) is prefilled in chunks, and every chunk after the first
+attends over the cache the earlier chunks wrote: for kvarn and rtn their packed groups. So only tokens past
+the first chunk can see the cache's error; the table reports them apart (``cached``).
+
+    python bench/scripts/kvarn_engine_ppl.py [--windows 8] [--window-tokens 4096] [--lines 4000] [--sets ...]
+
+Prints one table; ``--json`` writes the rows. The model is whatever the cpu overlay serves (the trained
+tiny hybrid); its texts are rig's corpus (quality/perplexity.toml, held-out seed), in its own domain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from rig.plan import resolve  # noqa: E402
+from rig.quality import suite  # noqa: E402
+from rig.quality.client import Client  # noqa: E402
+from rig.quality.perplexity import load_text  # noqa: E402
+from rig.server import free_port  # noqa: E402
+
+METHODS = {"auto": ({"KV": "auto"}, {}), "kvarn": ({}, {}), "rtn": ({}, {"VLLM_RIG_KVARN_METHOD": "rtn"})}
+
+
+def window_nll_split(client: Client, ids: list[int], first: int) -> tuple[float, int, float, int]:
+    """(nll, count) of tokens 2..first and of tokens past ``first`` (those that attend over cached chunks)."""
+    plp = client.completion({"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})[
+        "choices"][0]["prompt_logprobs"]
+    if plp is None or len(plp) != len(ids):
+        raise SystemExit(f"the server returned {0 if plp is None else len(plp)} prompt logprobs for {len(ids)}")
+    lps = [-entry[str(tok)]["logprob"] for tok, entry in zip(ids[1:], plp[1:], strict=True)]
+    head, tail = lps[: first - 1], lps[first - 1:]
+    return sum(head), len(head), sum(tail), len(tail)
+
+
+def measure(method: str, sets: list[str], windows: int, window_tokens: int, log_dir: Path, lines: int) -> dict:
+    """One server of ``method``: per set, the perplexity of the first step's tokens and of the cached ones."""
+    from rig.serve import start
+
+    knobs, env = METHODS[method]
+    plan = resolve("kvarn", platform="cpu", environ={}, sets={"PORT": str(free_port()),
+                                                               "API_KEY_FILE": str(log_dir / "key"), **knobs})
+    if env:
+        plan = plan.model_copy(update={"env": {**plan.env, **env}})
+    step = int(dict(zip(plan.argv, plan.argv[1:], strict=False))["--max-num-batched-tokens"])
+    if window_tokens <= step:
+        raise SystemExit(f"--window-tokens {window_tokens} must exceed the step of {step} tokens, or no token "
+                         "attends over the cache")
+    t0 = time.monotonic()
+    server = start(plan, log_path=log_dir / f"vllm-{method}.log")
+    try:
+        client = Client(server.url, (log_dir / "key").read_text().strip(), server.served_name)
+        perplexity_sets = suite.load("perplexity").sets
+        rows = {}
+        for name in sets:
+            src = perplexity_sets[name]
+            if src.source == "corpus" and lines:
+                src = src.model_copy(update={"lines": lines})
+            ids = client.tokenize(load_text(name, src).text)
+            n = min(windows, len(ids) // window_tokens)
+            if n == 0:
+                raise SystemExit(f"set {name} has {len(ids)} tokens, fewer than one window of {window_tokens}")
+            acc = [0.0, 0, 0.0, 0]
+            for w in range(n):
+                part = window_nll_split(client, ids[w * window_tokens:(w + 1) * window_tokens], step)
+                acc = [a + b for a, b in zip(acc, part, strict=True)]
+            rows[name] = {"windows": n, "first_step_ppl": math.exp(acc[0] / acc[1]), "first_step_tokens": acc[1],
+                          "cached_ppl": math.exp(acc[2] / acc[3]), "cached_tokens": acc[3]}
+        log = server.log_path.read_text()
+        return {"method": method, "step_tokens": step, "sets": rows, "seconds": round(time.monotonic() - t0, 1),
+                "kvarn_log": [ln.split("] ", 1)[-1] for ln in log.splitlines() if "rig kvarn" in ln][-1:]}
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--windows", type=int, default=8, help="windows per set (default 8)")
+    ap.add_argument("--window-tokens", type=int, default=4096, help="tokens a window (default 4096)")
+    ap.add_argument("--sets", default="corpus-english,corpus-german,corpus-code",
+                    help="perplexity sets of quality/perplexity.toml (default: rig's three held-out corpus sets)")
+    ap.add_argument("--lines", type=int, default=4000,
+                    help="lines of a corpus set (its held-out seed; default 4000, for enough windows; 0: the set's)")
+    ap.add_argument("--methods", default="auto,kvarn,rtn", help="of auto, kvarn, rtn (default all three)")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    a = ap.parse_args(argv)
+    methods = [m for m in a.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        ap.error(f"--methods {a.methods!r}: each of {', '.join(METHODS)}")
+    sets = [s for s in a.sets.split(",") if s]
+    known = suite.load("perplexity").sets
+    if [s for s in sets if s not in known] or not sets:
+        ap.error(f"--sets {a.sets!r}: sets of quality/perplexity.toml ({', '.join(known)})")
+    with tempfile.TemporaryDirectory(prefix="kvarn-ppl-") as tmp:
+        results = [measure(m, sets, a.windows, a.window_tokens, Path(tmp), a.lines) for m in methods]
+    base = next((r for r in results if r["method"] == "auto"), None)
+    print(f"KV cache perplexity in vLLM (cpu platform, {a.window_tokens}-token windows, steps of "
+          f"{results[0]['step_tokens']} tokens: the 'cached' tokens attend over the earlier steps' cache)\n")
+    print("| set | method | first step ppl | cached ppl | cached vs auto | windows | cached tokens |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name in sets:
+        for r in results:
+            row = r["sets"][name]
+            rel = (f"{row['cached_ppl'] / base['sets'][name]['cached_ppl'] - 1:+.2%}" if base else "-")
+            print(f"| {name} | {r['method']} | {row['first_step_ppl']:.4f} | {row['cached_ppl']:.4f} | {rel} | "
+                  f"{row['windows']} | {row['cached_tokens']:,} |")
+    for r in results:
+        print(f"\n{r['method']}: {r['seconds']} s; {' '.join(r['kvarn_log']) or 'no kvarn log line'}")
+    if a.json:
+        a.json.write_text(json.dumps({"window_tokens": a.window_tokens, "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
