@@ -389,12 +389,9 @@ def platform_needs(platform: str, model: str) -> tuple[dict[str, str], list[str]
     """
     if platform != "cpu":
         return {}, []
-    cfg = Path(model) / "config.json"
-    try:
-        quantized = cfg.is_file() and "quantization_config" in json.loads(cfg.read_text())
-    except (OSError, ValueError):
-        quantized = False  # an unreadable config is vLLM's to report when it loads the model
-    if not quantized:
+    from rig.capacity.cpuisa import quantized_checkpoint
+
+    if not quantized_checkpoint(Path(model)):
         return {}, []
     return {"VLLM_RIG_CPU_ATTN_AMX": "0"}, ["cpu-attn-amx-off"]
 
