@@ -405,3 +405,130 @@ def test_route_stays_out_of_cuda_graph_capture():
     with torch.cuda.graph(graph):
         routed.append(plan.route(impl, SimpleNamespace(layer_name="l"), q, kv, kv, out))
     assert routed == [False] and route.stats() == {"fallback:CUDA graph capture": 1}
+
+
+# --------------------------------------------------------------------------------------------
+# KV=kvarn: the kvarn profile (patch kvarn-cache, rig's backend in kernels/kvarn/vllm_backend.py) on
+# the CUDA build, beside a KV=auto server of the same plan otherwise. The trained tiny hybrid (its
+# logits mean something, unlike tiny:hybrid's near-uniform ones), eager: rig's backend computes with
+# the format's torch reference, request by request, which no CUDA graph can hold.
+
+# Greedy continuation: auto's top two this close (nats) may swap under a 4/2-bit cache.
+KVARN_GREEDY_GAP_TOL = 0.2
+# The first 2,048-token step of a prompt attends over its own new tokens only (exact keys and values,
+# fp32 on rig's backend, FlashAttention on bf16 under auto): every token's logprob within this.
+KVARN_FIRST_STEP_TOL = 0.05
+# Tokens of the later steps attend over the packed groups the first step wrote: their perplexity within
+# this of auto's (the CPU engine measured < 0.6 % on rig's corpus, docs/kvarn.md).
+KVARN_CACHED_PPL_TOL = 0.02
+KVARN_STEP = 2048  # max_num_batched_tokens of profiles/base.toml: the test's prompts cross it
+
+
+def _kvarn_sets(tmp: Path, arch: str) -> dict[str, str]:
+    return {**_sets(tmp, arch), "MODEL": "models/trained/tiny-hybrid", "PREFIX_CACHE": "0", "ENFORCE_EAGER": "1"}
+
+
+@pytest.fixture(scope="module")
+def kvarn_pair(tmp_path_factory) -> Iterator:
+    """(auto server, kvarn server, kvarn plan, card): started one after the other, stopped together."""
+    from rig import patches, paths
+    from rig.capacity import cards
+    from rig.plan import resolve
+    from rig.serve import start
+
+    os.environ.update(paths.cache_env())
+    patches.ensure_applied(quiet=False)
+    name, arch = _cuda_device()
+    total, _ = _memory()
+    card = cards.from_device(name, total, total)
+    servers = []
+    try:
+        for profile, kv in (("batch", {"KV": "auto"}), ("kvarn", {})):
+            tmp = tmp_path_factory.mktemp(f"gpu-{profile}")
+            plan = resolve(profile, platform="gpu", environ={}, sets={**_kvarn_sets(tmp, arch), **kv})
+            servers.append((start(plan, log_path=tmp / f"vllm-gpu-{profile}.log"), plan))
+        (auto, _), (kvarn, plan) = servers
+        yield auto, kvarn, plan, card
+    finally:
+        for server, _ in servers:
+            server.stop()
+
+
+def _kvarn_prompts(server, n: int, tokens: int) -> list[list[int]]:
+    """``n`` distinct passages of ``tokens`` token ids: held-out text of rig's corpus (the trained model's domain),
+    1,400 lines: about 27,000 tokens, within the 32,768 a request (here: /tokenize's) may hold."""
+    from rig.quality import suite
+    from rig.quality.perplexity import load_text
+
+    src = suite.load("perplexity").sets["corpus-english"].model_copy(update={"lines": 1400})
+    ids = _post(server, "/tokenize", {"model": server.served_name, "prompt": load_text("corpus-english", src).text}
+                ).json()["tokens"]
+    assert len(ids) >= n * tokens, f"the held-out corpus set has {len(ids)} tokens, fewer than {n} x {tokens}"
+    return [ids[i * tokens:(i + 1) * tokens] for i in range(n)]
+
+
+def test_kvarn_serves_on_cuda_with_the_planned_pool(kvarn_pair):
+    from rig import enginelog
+    from rig.capacity import report
+
+    auto, kvarn, plan, card = kvarn_pair
+    assert plan.knobs["KV"] == "kvarn" and "kvarn-cache" in plan.patches
+    log = kvarn.log_path.read_text(errors="replace")
+    assert "rig kvarn backend (torch engine" in log, "the kvarn server did not run rig's backend"
+    seen, seen_auto = enginelog.parse(log), enginelog.parse(auto.log_path.read_text(errors="replace"))
+    predicted = report.for_plan(plan, card).budget.pool
+    fp8_plan = plan.model_copy(update={"knobs": {**plan.knobs, "KV": "fp8", "BLOCK_SIZE": 0}})
+    fp8 = report.for_plan(fp8_plan, card).budget.pool
+    print(json.dumps({"kvarn_pool_tokens": seen.pool_tokens, "kvarn_block_size": seen.block_size,
+                      "planned_kvarn": predicted.reported_tokens, "planned_fp8_same_bytes": fp8.reported_tokens,
+                      "auto_pool_tokens": seen_auto.pool_tokens,
+                      "auto_attention_backend": seen_auto.attention_backend}))
+    assert (seen.pool_tokens, seen.block_size) == (predicted.reported_tokens, predicted.block_size)
+    assert seen.pool_tokens > fp8.reported_tokens, "the kvarn cache holds no more tokens than fp8 in the same bytes"
+
+
+def test_kvarn_greedy_agrees_with_auto(kvarn_pair):
+    """1,500-token prompts: every decode step reads the 11 groups the prefill packed."""
+    import re
+
+    auto, kvarn, _, _ = kvarn_pair
+    same, parted = 0, []
+    for prompt in _kvarn_prompts(auto, 6, 1500):
+        ref_tokens, ref_top = _greedy(auto, prompt)
+        tokens, _ = _greedy(kvarn, prompt)
+        if tokens == ref_tokens:
+            same += 1
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(ref_tokens, tokens, strict=True)) if a != b)
+        parted.append((i, round(ref_top[i][ref_tokens[i]] - ref_top[i].get(tokens[i], float("-inf")), 4)))
+    print(json.dumps({"kvarn_greedy_identical": same, "of": 6, "parted_at_token_gap": parted}))
+    assert all(gap <= KVARN_GREEDY_GAP_TOL for _, gap in parted), \
+        f"greedy text parted where auto's top two were further apart than {KVARN_GREEDY_GAP_TOL}: {parted}"
+    packed = [int(n) for n in re.findall(r"rig kvarn \(torch engine\): (\d+) groups packed",
+                                         kvarn.log_path.read_text(errors="replace"))]
+    assert packed and max(packed) >= 11, "the backend's log counts fewer packed groups than the prompts fill"
+
+
+def test_kvarn_prompt_logprobs_agree_with_auto(kvarn_pair):
+    """4,096-token prompts in two steps: the first exact, the second over the 16 groups the first packed."""
+    import math
+
+    auto, kvarn, _, _ = kvarn_pair
+    first, cached = [], {"auto": [], "kvarn": []}
+    for ids in _kvarn_prompts(auto, 3, 4096):
+        rows = {}
+        for name, server in (("auto", auto), ("kvarn", kvarn)):
+            r = _post(server, "/v1/completions", {"model": server.served_name, "prompt": ids, "max_tokens": 1,
+                                                  "temperature": 0, "prompt_logprobs": 0})
+            assert r.status_code == 200, r.text
+            plp = r.json()["choices"][0]["prompt_logprobs"]
+            rows[name] = [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], plp[1:], strict=True)]
+            cached[name] += rows[name][KVARN_STEP - 1:]
+        first += [abs(a - b) for a, b in zip(rows["auto"][:KVARN_STEP - 1], rows["kvarn"][:KVARN_STEP - 1],
+                                             strict=True)]
+    ppl = {k: math.exp(-sum(v) / len(v)) for k, v in cached.items()}
+    print(json.dumps({"kvarn_first_step_max_abs_diff": max(first), "first_step_tokens": len(first),
+                      "cached_ppl": ppl, "cached_vs_auto": ppl["kvarn"] / ppl["auto"] - 1,
+                      "cached_tokens": len(cached["auto"])}))
+    assert max(first) <= KVARN_FIRST_STEP_TOL, f"first-step logprobs differ by up to {max(first)}"
+    assert abs(ppl["kvarn"] / ppl["auto"] - 1) <= KVARN_CACHED_PPL_TOL, ppl

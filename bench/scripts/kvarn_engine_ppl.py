@@ -10,9 +10,11 @@ attends over the cache the earlier chunks wrote: for kvarn and rtn their packed 
 the first chunk can see the cache's error; the table reports them apart (``cached``).
 
     python bench/scripts/kvarn_engine_ppl.py [--windows 8] [--window-tokens 4096] [--lines 4000] [--sets ...]
+        [--platform gpu]
 
-Prints one table; ``--json`` writes the rows. The model is whatever the cpu overlay serves (the trained
-tiny hybrid); its texts are rig's corpus (quality/perplexity.toml, held-out seed), in its own domain.
+Prints one table; ``--json`` writes the rows. The model is the trained tiny hybrid (what the cpu overlay
+serves; on ``--platform gpu`` the same, set by GPU_SETS, with auto = vLLM's FlashAttention over a bf16
+cache); its texts are rig's corpus (quality/perplexity.toml, held-out seed), in its own domain.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from rig.bench.results import write_atomic  # noqa: E402
+from rig.fingerprint import collect  # noqa: E402
 from rig.plan import resolve  # noqa: E402
 from rig.quality import suite  # noqa: E402
 from rig.quality.client import Client  # noqa: E402
@@ -34,6 +38,22 @@ from rig.quality.perplexity import load_text  # noqa: E402
 from rig.server import free_port  # noqa: E402
 
 METHODS = {"auto": ({"KV": "auto"}, {}), "kvarn": ({}, {}), "rtn": ({}, {"VLLM_RIG_KVARN_METHOD": "rtn"})}
+# On a GPU: the cpu overlay's model and context, a 4 GiB pool in a 24 GiB plan, eager (rig's kvarn backend
+# computes with the torch reference, request by request: nothing a CUDA graph could hold).
+GPU_SETS = {"MODEL": "models/trained/tiny-hybrid", "SERVED_NAME": "rig-tiny-hybrid", "MAX_LEN": "32768",
+            "KV_MEM": "4G", "GPU_MEM": "24G", "ENFORCE_EAGER": "1"}
+
+
+def _gpu_arch() -> str:
+    """smXY of GPU 0 through NVML: the plan's GPU_ARCH."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return f"sm{major}{minor}"
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def window_nll_split(client: Client, ids: list[int], first: int) -> tuple[float, int, float, int]:
@@ -47,13 +67,16 @@ def window_nll_split(client: Client, ids: list[int], first: int) -> tuple[float,
     return sum(head), len(head), sum(tail), len(tail)
 
 
-def measure(method: str, sets: list[str], windows: int, window_tokens: int, log_dir: Path, lines: int) -> dict:
+def measure(method: str, sets: list[str], windows: int, window_tokens: int, log_dir: Path, lines: int,
+            platform: str = "cpu") -> dict:
     """One server of ``method``: per set, the perplexity of the first step's tokens and of the cached ones."""
     from rig.serve import start
 
     knobs, env = METHODS[method]
-    plan = resolve("kvarn", platform="cpu", environ={}, sets={"PORT": str(free_port()),
-                                                               "API_KEY_FILE": str(log_dir / "key"), **knobs})
+    own = {**GPU_SETS, "GPU_ARCH": _gpu_arch()} if platform == "gpu" else {}
+    plan = resolve("kvarn", platform=platform, environ={}, sets={"PORT": str(free_port()),
+                                                                  "API_KEY_FILE": str(log_dir / "key"), **own,
+                                                                  **knobs})
     if env:
         plan = plan.model_copy(update={"env": {**plan.env, **env}})
     step = int(dict(zip(plan.argv, plan.argv[1:], strict=False))["--max-num-batched-tokens"])
@@ -81,7 +104,8 @@ def measure(method: str, sets: list[str], windows: int, window_tokens: int, log_
             rows[name] = {"windows": n, "first_step_ppl": math.exp(acc[0] / acc[1]), "first_step_tokens": acc[1],
                           "cached_ppl": math.exp(acc[2] / acc[3]), "cached_tokens": acc[3]}
         log = server.log_path.read_text()
-        return {"method": method, "step_tokens": step, "sets": rows, "seconds": round(time.monotonic() - t0, 1),
+        return {"method": method, "platform": platform, "step_tokens": step, "sets": rows,
+                "seconds": round(time.monotonic() - t0, 1), "fingerprint": collect(plan),
                 "kvarn_log": [ln.split("] ", 1)[-1] for ln in log.splitlines() if "rig kvarn" in ln][-1:]}
     finally:
         server.stop()
@@ -96,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lines", type=int, default=4000,
                     help="lines of a corpus set (its held-out seed; default 4000, for enough windows; 0: the set's)")
     ap.add_argument("--methods", default="auto,kvarn,rtn", help="of auto, kvarn, rtn (default all three)")
+    ap.add_argument("--platform", default="cpu", choices=("cpu", "gpu"),
+                    help="cpu (vLLM's CPU backend) or gpu (vLLM's CUDA build, GPU 0; default cpu)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args(argv)
     methods = [m for m in a.methods.split(",") if m]
@@ -107,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if [s for s in sets if s not in known] or not sets:
         ap.error(f"--sets {a.sets!r}: sets of quality/perplexity.toml ({', '.join(known)})")
     with tempfile.TemporaryDirectory(prefix="kvarn-ppl-") as tmp:
-        results = [measure(m, sets, a.windows, a.window_tokens, Path(tmp), a.lines) for m in methods]
+        results = [measure(m, sets, a.windows, a.window_tokens, Path(tmp), a.lines, a.platform) for m in methods]
     base = next((r for r in results if r["method"] == "auto"), None)
-    print(f"KV cache perplexity in vLLM (cpu platform, {a.window_tokens}-token windows, steps of "
+    print(f"KV cache perplexity in vLLM ({a.platform} platform, {a.window_tokens}-token windows, steps of "
           f"{results[0]['step_tokens']} tokens: the 'cached' tokens attend over the earlier steps' cache)\n")
     print("| set | method | first step ppl | cached ppl | cached vs auto | windows | cached tokens |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -122,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"\n{r['method']}: {r['seconds']} s; {' '.join(r['kvarn_log']) or 'no kvarn log line'}")
     if a.json:
-        a.json.write_text(json.dumps({"window_tokens": a.window_tokens, "results": results}, indent=2) + "\n")
+        write_atomic(a.json, json.dumps({"window_tokens": a.window_tokens, "results": results}, indent=2,
+                                        default=str) + "\n")
     return 0
 
 
