@@ -410,8 +410,8 @@ def test_route_stays_out_of_cuda_graph_capture():
 # --------------------------------------------------------------------------------------------
 # KV=kvarn: the kvarn profile (patch kvarn-cache, rig's backend in kernels/kvarn/vllm_backend.py) on
 # the CUDA build, beside a KV=auto server of the same plan otherwise. The trained tiny hybrid (its
-# logits mean something, unlike tiny:hybrid's near-uniform ones), eager: rig's backend computes with
-# the format's torch reference, request by request, which no CUDA graph can hold.
+# logits mean something, unlike tiny:hybrid's near-uniform ones), eager: rig's backend (its Triton
+# engine on CUDA) plans each step on the host, which no CUDA graph can hold.
 
 # Greedy continuation: auto's top two this close (nats) may swap under a 4/2-bit cache.
 KVARN_GREEDY_GAP_TOL = 0.2
@@ -474,7 +474,7 @@ def test_kvarn_serves_on_cuda_with_the_planned_pool(kvarn_pair):
     auto, kvarn, plan, card = kvarn_pair
     assert plan.knobs["KV"] == "kvarn" and "kvarn-cache" in plan.patches
     log = kvarn.log_path.read_text(errors="replace")
-    assert "rig kvarn backend (torch engine" in log, "the kvarn server did not run rig's backend"
+    assert "rig kvarn backend (triton engine" in log, "the kvarn server did not run rig's backend's Triton engine"
     seen, seen_auto = enginelog.parse(log), enginelog.parse(auto.log_path.read_text(errors="replace"))
     predicted = report.for_plan(plan, card).budget.pool
     fp8_plan = plan.model_copy(update={"knobs": {**plan.knobs, "KV": "fp8", "BLOCK_SIZE": 0}})
@@ -504,7 +504,7 @@ def test_kvarn_greedy_agrees_with_auto(kvarn_pair):
     print(json.dumps({"kvarn_greedy_identical": same, "of": 6, "parted_at_token_gap": parted}))
     assert all(gap <= KVARN_GREEDY_GAP_TOL for _, gap in parted), \
         f"greedy text parted where auto's top two were further apart than {KVARN_GREEDY_GAP_TOL}: {parted}"
-    packed = [int(n) for n in re.findall(r"rig kvarn \(torch engine\): (\d+) groups packed",
+    packed = [int(n) for n in re.findall(r"rig kvarn \(triton engine\): (\d+) groups packed",
                                          kvarn.log_path.read_text(errors="replace"))]
     assert packed and max(packed) >= 11, "the backend's log counts fewer packed groups than the prompts fill"
 

@@ -389,6 +389,101 @@ def test_decode_v2_matches_v1_and_rejects_bad_knobs(dev):
         cache.decode(q, variant="v2", block_t=48)
 
 
+# ----------------------------------------------------------------------------- the engine inside vLLM's backend
+
+def _engine_schedule() -> list[list[tuple[int, int]]]:
+    """Steps of (request, new tokens): two prompts in chunks, then decodes of all three requests, the third
+    prompt arriving mid-way as one 130-token chunk; requests 0 and 1 cross a group boundary while decoding."""
+    steps = [[(0, 300), (1, 100)], [(0, 200), (1, 1)]]
+    for i in range(30):
+        steps.append([(0, 1), (1, 1)] + ([(2, 130)] if i == 4 else [(2, 1)] if i > 4 else []))
+    return steps
+
+
+def _attention_over_pages(r, pool, pages: list[int], k, v, q, ctx: int, rotated: bool) -> torch.Tensor:
+    """Causal fp32 attention of the step's queries q (positions ctx..) over the groups as ``pages`` hold them (read back
+    with reference.read_page) and the exact tokens after them (the tail and the step's own)."""
+    ks, vs = zip(*[r.read_page(pool[p].cpu(), rotated=rotated) for p in pages], strict=True) if pages else ((), ())
+    start = len(pages) * r.GROUP_TOKENS
+    k_all = torch.cat([*ks, k[start:ctx + q.shape[0]].float()])
+    v_all = torch.cat([*vs, v[start:ctx + q.shape[0]].float()])
+    return torch.cat([r.attention(q[i:i + 1].float(), k_all[:ctx + i + 1], v_all[:ctx + i + 1])
+                      for i in range(q.shape[0])])
+
+
+@pytest.mark.parametrize("method", ["kvarn", "rtn"])
+def test_the_vllm_backends_triton_engine_is_attention_over_its_pages(dev, method):
+    """KvarnAttentionImpl.step_triton (the engine vLLM runs on CUDA: decodes batched on the packed pages, tails read
+    in place by slot, chunks over device-dequantized pages, full groups quantized on the device) over steps of
+    three requests in slots 4, 0, 2 of 5, pages scattered, decoding across the 512- and 128-token boundaries:
+    every step's output is causal fp32 attention over the groups its pages held before the step plus the exact
+    newer tokens, within DECODE_BOUND; every page holds its group as reference.quantize writes it (plain RTN:
+    the same bytes; KVarN: within the write bound above); the tails hold the newest tokens as given; pages
+    nobody owns are untouched. The torch engine is held to the reference in tests/test_kvarn_backend.py.
+    Negative control: the same outputs against the exact context (no quantization) miss by far more."""
+    pytest.importorskip("vllm", reason="the backend is vLLM's (kernels/kvarn/vllm_backend.py)")
+    kt, device = dev
+    r = kt.reference
+    be = load_file(KERNEL_DIR / "vllm_backend.py", "vllm_rig_kvarn")
+    seed = _fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d, grp, rot = 8, 4, 256, r.GROUP_TOKENS, method == "kvarn"
+    impl = be.KvarnAttentionImpl(hq, d, 1 / d ** 0.5, hkv, None, None, "kvarn")
+    steps = _engine_schedule()
+    total = [sum(n for st in steps for q, n in st if q == req) for req in range(3)]
+    kv = [((torch.randn(n, hkv, d, generator=g) * torch.linspace(0.5, 4, d)).bfloat16(),
+           torch.randn(n, hkv, d, generator=g).bfloat16(), torch.randn(n, hq, d, generator=g).bfloat16())
+          for n in total]
+    table = torch.tensor([[11, 2, 7, 0, 5], [9, 3, 1, 12, 4], [6, 10, 8, 13, 14]], dtype=torch.int32)
+    slots = [4, 0, 2]
+    pool = torch.full((15, impl.page_bytes), 0xA5, dtype=torch.uint8, device=device)
+    tail_k, tail_v = (torch.full((5, grp, hkv, d), float("nan"), dtype=torch.bfloat16, device=device)
+                      for _ in range(2))
+    where = f"{method}, seed {seed}"
+    worst, exact_gap, seen = 0.0, 0.0, [0, 0, 0]
+    old, be.METHOD = be.METHOD, method
+    try:
+        for i, step in enumerate(steps):
+            reqs, qsl, before = [q for q, _ in step], [0], list(seen)
+            for q, n in step:
+                qsl.append(qsl[-1] + n)
+                seen[q] += n
+            cat = [torch.cat([kv[q][j][before[q]:seen[q]] for q, _ in step]).to(device) for j in range(3)]
+            out = torch.full(cat[2].shape, float("nan"), dtype=torch.float32, device=device)
+            impl.step_triton(cat[2], cat[0], cat[1], out, pool, qsl, [seen[q] for q in reqs], table[reqs].to(device),
+                             [slots[q] for q in reqs], tail_k, tail_v)
+            out = out.cpu()
+            assert not out.isnan().any(), f"step {i}: outputs left unwritten: {where}"
+            for j, q in enumerate(reqs):
+                got = out[qsl[j]:qsl[j + 1]]
+                k, v, qq = kv[q][0], kv[q][1], kv[q][2][before[q]:seen[q]]
+                pages = [int(p) for p in table[q, :before[q] // grp]]
+                want = _attention_over_pages(r, pool, pages, k, v, qq, before[q], rot)
+                worst = max(worst, float((got - want).norm() / want.norm()))
+                if pages:
+                    exact = _attention_over_pages(r, pool, [], k, v, qq, before[q], rot)
+                    exact_gap = max(exact_gap, float((got - exact).norm() / exact.norm()))
+    finally:
+        be.METHOD = old
+    assert worst <= DECODE_BOUND, f"triton engine vs attention over its pages: rel {worst}: {where}"
+    assert exact_gap > 10 * DECODE_BOUND, f"the check would not see the cache's quantization ({exact_gap}): {where}"
+    nk = r.group_bytes(r.K_BITS)
+    for req, n in enumerate(total):
+        held, s = n % grp, slots[req]
+        assert torch.equal(tail_k[s, :held].cpu(), kv[req][0][n - held:]), where
+        assert torch.equal(tail_v[s, :held].cpu(), kv[req][1][n - held:]), where
+        for gi in range(n // grp):
+            page, sl = pool[int(table[req, gi])].cpu(), slice(gi * grp, (gi + 1) * grp)
+            if not rot:
+                assert page.numpy().tobytes() == _ref_page(r, kv[req][0][sl], kv[req][1][sl], False, False), where
+                continue
+            for raw, bits, src in ((page[:nk], r.K_BITS, kv[req][0]), (page[nk:], r.V_BITS, kv[req][1])):
+                c = _compare_kvarn_page(r, raw, src[sl].float(), bits)
+                assert _within_kvarn_bound(c), f"request {req} group {gi} ({bits}-bit): {c}: {where}"
+    owned = {int(table[q, gi]) for q, n in enumerate(total) for gi in range(n // grp)}
+    assert all(bool((pool[p] == 0xA5).all()) for p in set(range(15)) - owned), f"a page nobody owns changed: {where}"
+
+
 # ----------------------------------------------------------------------------- GPU scale
 
 @pytest.mark.gpu

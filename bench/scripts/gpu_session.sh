@@ -16,7 +16,8 @@
 #   prepass    the int8 prefill pre-pass profile (bench/scripts/prefill_prepass_profile.py; after `kernels`)
 #   kvarn      the KVarN kernels' GPU tests and bench/scripts/kvarn_bench.py (issue 14's table)
 #   tier       the GPU tier of the suite (tests/test_gpu.py), RIG_GPU_SETS as set by the caller
-#   kvserve    the kvarn profile served on this GPU: the GPU tier's kvarn tests (tests/test_gpu.py -k kvarn:
+#   kvserve    the kvarn profile served on this GPU: the backend's Triton engine compiled (tests/test_kvarn_kernels.py
+#              -k engine), the GPU tier's kvarn tests (tests/test_gpu.py -k kvarn:
 #              pool, greedy and prompt logprobs vs KV=auto) and the cache's perplexity in the engine
 #              (bench/scripts/kvarn_engine_ppl.py --platform gpu; KVPPL_ARGS adds arguments)
 #   train      train the tiny hybrid (models/recipes/tiny-hybrid-train.toml) on the GPU with the host's own
@@ -129,6 +130,7 @@ step_tier() {
 step_kvserve() {
   stamp kvserve
   inv patch.apply 2>&1 | tail -2
+  "$PY" -m pytest -q -m gpu tests/test_kvarn_kernels.py -k engine -rA -p no:cacheprovider 2>&1 | tee "$OUT/kvarn-engine-pytest.log" | tail -8
   "$PY" -m pytest -q -m gpu tests/test_gpu.py -k kvarn -s -rA -p no:cacheprovider 2>&1 | tee "$OUT/kvarn-tier-pytest.log" | tail -30
   # shellcheck disable=SC2086
   "$PY" bench/scripts/kvarn_engine_ppl.py --platform gpu --json "$OUT/kvarn_engine_ppl.json" ${KVPPL_ARGS:-} 2>&1 \

@@ -12,9 +12,11 @@ the first chunk can see the cache's error; the table reports them apart (``cache
     python bench/scripts/kvarn_engine_ppl.py [--windows 8] [--window-tokens 4096] [--lines 4000] [--sets ...]
         [--platform gpu]
 
-Prints one table; ``--json`` writes the rows. The model is the trained tiny hybrid (what the cpu overlay
-serves; on ``--platform gpu`` the same, set by GPU_SETS, with auto = vLLM's FlashAttention over a bf16
-cache); its texts are rig's corpus (quality/perplexity.toml, held-out seed), in its own domain.
+Prints one table and, per method, one request's decode time per token after a window (DECODE_TOKENS
+tokens timed against one, so the prefill and the round trip drop out); ``--json`` writes the rows.
+The model is the trained tiny hybrid (what the cpu overlay serves; on ``--platform gpu`` the same, set
+by GPU_SETS, with auto = vLLM's FlashAttention over a bf16 cache); its texts are rig's corpus
+(quality/perplexity.toml, held-out seed), in its own domain.
 """
 
 from __future__ import annotations
@@ -67,6 +69,23 @@ def window_nll_split(client: Client, ids: list[int], first: int) -> tuple[float,
     return sum(head), len(head), sum(tail), len(tail)
 
 
+DECODE_TOKENS = 256
+
+
+def decode_ms(client: Client, ids: list[int], repeats: int = 3) -> float:
+    """Milliseconds a decode step takes for one request after ``ids``: (time of DECODE_TOKENS + 1 tokens - time of
+    1) / DECODE_TOKENS, best of ``repeats`` (the difference takes the prefill and the HTTP round trip out)."""
+    def best(n: int) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            client.completion({"prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return 1000 * (best(DECODE_TOKENS + 1) - best(1)) / DECODE_TOKENS
+
+
 def measure(method: str, sets: list[str], windows: int, window_tokens: int, log_dir: Path, lines: int,
             platform: str = "cpu") -> dict:
     """One server of ``method``: per set, the perplexity of the first step's tokens and of the cached ones."""
@@ -103,8 +122,10 @@ def measure(method: str, sets: list[str], windows: int, window_tokens: int, log_
                 acc = [a + b for a, b in zip(acc, part, strict=True)]
             rows[name] = {"windows": n, "first_step_ppl": math.exp(acc[0] / acc[1]), "first_step_tokens": acc[1],
                           "cached_ppl": math.exp(acc[2] / acc[3]), "cached_tokens": acc[3]}
+        ms = decode_ms(client, ids[:window_tokens])
         log = server.log_path.read_text()
         return {"method": method, "platform": platform, "step_tokens": step, "sets": rows,
+                "decode_ms_per_token": round(ms, 3), "decode_context": window_tokens,
                 "seconds": round(time.monotonic() - t0, 1), "fingerprint": collect(plan),
                 "kvarn_log": [ln.split("] ", 1)[-1] for ln in log.splitlines() if "rig kvarn" in ln][-1:]}
     finally:
@@ -146,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {r['method']} | {row['first_step_ppl']:.4f} | {row['cached_ppl']:.4f} | {rel} | "
                   f"{row['windows']} | {row['cached_tokens']:,} |")
     for r in results:
-        print(f"\n{r['method']}: {r['seconds']} s; {' '.join(r['kvarn_log']) or 'no kvarn log line'}")
+        print(f"\n{r['method']}: {r['seconds']} s; one request's decode after {r['decode_context']:,} tokens: "
+              f"{r['decode_ms_per_token']} ms a token; {' '.join(r['kvarn_log']) or 'no kvarn log line'}")
     if a.json:
         write_atomic(a.json, json.dumps({"window_tokens": a.window_tokens, "results": results}, indent=2,
                                         default=str) + "\n")

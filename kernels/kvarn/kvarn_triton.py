@@ -499,14 +499,17 @@ def _decode_split_kernel_v2(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
 
 
 @triton.jit
-def _decode_combine_kernel(o_ptr, ml_ptr, qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, stride_ts, stride_tt,
+def _decode_combine_kernel(o_ptr, ml_ptr, qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, tail_row_ptr, stride_ts, stride_tt,
                            rot_ptr, plain_ptr, HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-                           NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, TAIL_T: tl.constexpr):
+                           NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, TAIL_T: tl.constexpr,
+                           TAIL_ROWS: tl.constexpr):
     """Program (sequence, query head): attend over the unquantized tail in fp32, then merge it with the splits.
 
     The tail is at most 128 tokens; reading it once per query head (not once per KV head) costs
     QPK x 64 KiB per sequence, small beside the packed groups, and saves a launch and the split
     kernel's registers. Writes rot = packed part / L (rotated domain) and plain = tail part / L.
+    TAIL_ROWS: sequence s's tail is row tail_row[s] of the tail tensors (vLLM's per-request state
+    slots), else row s.
     """
     r = tl.program_id(0)
     s = r // (HKV * QPK)
@@ -514,13 +517,17 @@ def _decode_combine_kernel(o_ptr, ml_ptr, qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, 
     d = tl.arange(0, D)
     q = tl.load(qp_ptr + r.to(tl.int64) * D + d)
     n = tl.load(tail_len_ptr + s)
+    if TAIL_ROWS:
+        row = tl.load(tail_row_ptr + s).to(tl.int64)
+    else:
+        row = s.to(tl.int64)
     mt = float("-inf")
     lt = 0.0
     acc = tl.zeros([D], tl.float32)
     for t0 in range(0, n, TAIL_T):  # a runtime loop over the filled part only
         t = t0 + tl.arange(0, TAIL_T)
         tmask = t < n
-        offs = s.to(tl.int64) * stride_ts + t[:, None] * stride_tt + h * D + d[None, :]
+        offs = row * stride_ts + t[:, None] * stride_tt + h * D + d[None, :]
         k = tl.load(tk_ptr + offs, mask=tmask[:, None], other=0.0).to(tl.float32)
         sc = tl.where(tmask, tl.sum(k * q[None, :], axis=1), float("-inf"))
         m_new = tl.maximum(mt, tl.max(sc, axis=0))
@@ -571,13 +578,15 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                      max_groups: int, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_len: torch.Tensor,
                      out: torch.Tensor | None = None, layout: PageLayout = MODEL_LAYOUT, rotated: bool = True,
                      splits: int | None = None, block_t: int | None = None, num_warps: int | None = None,
-                     variant: str = "v2", precise: str = "kv") -> torch.Tensor:
+                     variant: str = "v2", precise: str = "kv", tail_rows: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
 
     q [S, HQ, D]; block_table int32 [S, >= max_groups] (page of each full group); n_groups, tail_len
     int32 [S] (device); max_groups: a host-side bound on n_groups (no device sync); tail_k/v
-    [S, 128, HKV, D] (fp16/bf16/fp32), the newest tail_len[s] tokens in the first rows. Every
-    sequence needs at least one token. rotated=False reads the plain-RTN layout (no query rotation).
+    [S, 128, HKV, D] (fp16/bf16/fp32), the newest tail_len[s] tokens in the first rows; with
+    tail_rows (int32 [S], device) sequence s's tail is row tail_rows[s] of tail_k/v instead (any
+    number of rows: vLLM's state slots, read in place). Every sequence needs at least one token.
+    rotated=False reads the plain-RTN layout (no query rotation).
     Launches: query rotation, split kernel (when any group is full), combine + tail, un-rotation.
 
     variant: "v2" (the default; _decode_split_kernel_v2: one K and one V dot per tile, each x2 (fp16
@@ -620,9 +629,11 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                                   o_part, ml, lay.page_bytes, gps, **kw)
     rot = torch.empty(s_, hq, d, dtype=torch.float32, device=q.device)
     plain = torch.empty_like(rot)
-    _decode_combine_kernel[(s_ * hq,)](o_part, ml, qp, tail_k, tail_v, tail_len, tail_k.stride(0), tail_k.stride(1),
+    _decode_combine_kernel[(s_ * hq,)](o_part, ml, qp, tail_k, tail_v, tail_len,
+                                       tail_len if tail_rows is None else tail_rows, tail_k.stride(0), tail_k.stride(1),
                                        rot, plain, HKV=hkv, QPK=qpk, D=d, T=t, NSPLIT=nsplit,
-                                       NSPLIT_P2=max(8, triton.next_power_of_2(nsplit)), TAIL_T=16, num_warps=4)
+                                       NSPLIT_P2=max(8, triton.next_power_of_2(nsplit)), TAIL_T=16,
+                                       TAIL_ROWS=tail_rows is not None, num_warps=4)
     if out is None:
         out = torch.empty_like(q)
     if rotated:

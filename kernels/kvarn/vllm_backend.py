@@ -17,12 +17,17 @@ How the format (reference.py) maps onto vLLM's cache (docs/kvarn.md, "The backen
   ``Attention.__init__``; ``tails_per_companion`` layers share one) whose state is their tails: K and
   V, [layers, 128, kv heads, head_dim] in the model's dtype. The patch raises the hybrid model's mamba
   page to hold a companion, so the tail group shares vLLM's common page size.
-- **Forward** (``engine`` ``torch``): per request, the context = the request's packed groups
-  dequantized (reference.read_page) + its tail + the step's new tokens at full precision; causal
-  attention in float32; then the tail and the new tokens are written back: every group they fill is
-  quantized into its page (reference.write_page), the rest becomes the tail. This is the reference's
-  arithmetic run inside vLLM: correct on any device, meant for CPU and tests; the Triton kernels
-  (kvarn_triton.py) are not wired in yet.
+- **Forward**, two engines with the same order of work (attend, then pack what filled a group):
+  ``torch``: per request, the context = the request's packed groups dequantized (reference.read_page)
+  + its tail + the step's new tokens at full precision; causal attention in float32; then every group
+  the tail and the new tokens fill is quantized into its page (reference.write_page), the rest
+  becomes the tail. The reference's arithmetic run inside vLLM, on the host: any device, slow.
+  ``triton`` (kvarn_triton.py): the step's decodes in one batch — each new token written into its
+  tail row, then ``decode_attention`` on the packed pages and the tails in place (the companions'
+  rows, by slot), then ``quantize_groups`` for the tails that became full; each chunk of a prompt
+  attends over its pages dequantized on the device (``dequantize_pages``) + its tail + itself (SDPA
+  in float32), then its full groups are quantized on the device. ``VLLM_RIG_KVARN_ENGINE`` chooses
+  (``auto``: triton on CUDA, torch elsewhere).
 
 Refused, with the reason, at construction: sliding windows, ALiBi, logit soft-capping, attention
 sinks, encoder attention, KV sharing, and prefix caching (the tail is not block-aligned state that
@@ -32,6 +37,8 @@ vLLM's ``align`` mode could checkpoint).
 from __future__ import annotations
 
 import importlib.util
+import math
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -57,22 +64,26 @@ HERE = Path(__file__).resolve().parent
 logger = init_logger("vllm.rig_kvarn")  # under vLLM's logger, so its handler prints it
 
 
-def _load_reference():
-    """reference.py under the module name the kernels and tests load it by (one module object)."""
-    name = "rig_kernel_kvarn_reference"
+def _load_sibling(stem: str):
+    """``<stem>.py`` of this folder under the module name the kernels and tests load it by (one module object)."""
+    name = f"rig_kernel_kvarn_{stem}"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE / "reference.py")
+        spec = importlib.util.spec_from_file_location(name, HERE / f"{stem}.py")
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
 
 
-reference = _load_reference()
+reference = _load_sibling("reference")
 GROUP = reference.GROUP_TOKENS
 METHOD = "kvarn"
 """What the pages store: "kvarn" (rotation + dual normalization + RTN) or "rtn" (the same layout, plain per-token
 RTN: the baseline at the same bytes). The kvarn-cache patch sets it from VLLM_RIG_KVARN_METHOD after loading."""
+ENGINE = os.environ.get("VLLM_RIG_KVARN_ENGINE", "auto")
+"""Which arithmetic a step runs: "torch", "triton" or "auto" (triton on CUDA, torch elsewhere); the module
+docstring says what each does. Read once, when the patch loads this module in the engine process."""
+ENGINES = ("auto", "torch", "triton")
 LOG_EVERY_S = 10.0
 """Seconds between the backend's progress lines in the server log (the first group packed logs at once)."""
 STATS = {"groups_packed": 0, "group_reads": 0, "steps": 0}
@@ -80,6 +91,22 @@ STATS = {"groups_packed": 0, "group_reads": 0, "steps": 0}
 _logged = [0.0]
 COMPANION = "rig_companion"
 """The attribute (and the name suffix) the kvarn-cache patch gives an attention layer's companion."""
+
+
+def engine_for(device_type: str, choice: str | None = None) -> str:
+    """The engine a layer on ``device_type`` runs for ``choice`` (default ENGINE): "torch" or "triton"."""
+    choice = ENGINE if choice is None else choice
+    if choice not in ENGINES:
+        raise ValueError(f"VLLM_RIG_KVARN_ENGINE={choice!r}: expected one of {', '.join(ENGINES)} (auto: triton "
+                         "on CUDA, torch elsewhere)")
+    if choice == "auto":
+        return "triton" if device_type == "cuda" else "torch"
+    return choice
+
+
+def _kernels():
+    """kvarn_triton.py, loaded on first use (a CPU host serving with the torch engine needs no Triton)."""
+    return _load_sibling("kvarn_triton")
 
 
 def head_bytes(head_size: int) -> int:
@@ -266,10 +293,12 @@ class KvarnAttentionImpl(AttentionImpl):
         self.num_heads, self.head_size, self.scale, self.num_kv_heads = num_heads, head_size, scale, num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.page_bytes = reference.page_bytes(num_kv_heads, head_size, GROUP)
-        if not STATS["steps"] and not _logged[0]:
-            logger.info_once("rig kvarn backend (torch engine, the format's reference arithmetic, method %s): %d B "
-                             "pages of %d-token groups (%d B a token and layer), each request's tail in a companion "
-                             "state layer", METHOD, self.page_bytes, GROUP, self.page_bytes // GROUP)
+        from vllm.platforms import current_platform
+
+        self.engine = engine_for(current_platform.device_type)
+        logger.info_once("rig kvarn backend (%s engine, method %s): %d B pages of %d-token groups (%d B a token and "
+                         "layer), each request's tail in a companion state layer", self.engine, METHOD,
+                         self.page_bytes, GROUP, self.page_bytes // GROUP)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: KvarnMetadata | None, output: torch.Tensor | None = None, output_scale=None,
@@ -284,17 +313,99 @@ class KvarnAttentionImpl(AttentionImpl):
         pages = kv_cache.view(-1, self.page_bytes)
         qsl = attn_metadata.query_start_loc_cpu.tolist()
         lens = attn_metadata.seq_lens_cpu.tolist()
-        table = attn_metadata.block_table.cpu()
         packed = STATS["groups_packed"]
+        step = self.step_triton if self.engine == "triton" else self.step_torch
+        step(query, key, value, output, pages, qsl, lens, attn_metadata.block_table, slots, tail_k, tail_v)
+        STATS["steps"] += 1
+        _report(self.engine, first=packed == 0 < STATS["groups_packed"])
+        return output
+
+    def step_torch(self, query, key, value, output, pages, qsl: list[int], lens: list[int], table: torch.Tensor,
+                   slots: list[int], tail_k, tail_v) -> None:
+        """One step of every request with the torch engine: request by request, on the host."""
+        table = table.cpu()
         for r, (slot, length) in enumerate(zip(slots, lens, strict=True)):
             q0, q1 = qsl[r], qsl[r + 1]
-            if q1 == q0:
-                continue
-            self._request(query[q0:q1], key[q0:q1], value[q0:q1], output[q0:q1], pages, table[r],
-                          tail_k[slot], tail_v[slot], length)
-        STATS["steps"] += 1
-        _report(first=packed == 0 < STATS["groups_packed"])
-        return output
+            if q1 > q0:
+                self._request(query[q0:q1], key[q0:q1], value[q0:q1], output[q0:q1], pages, table[r],
+                              tail_k[slot], tail_v[slot], length)
+
+    def step_triton(self, query, key, value, output, pages, qsl: list[int], lens: list[int], table: torch.Tensor,
+                    slots: list[int], tail_k, tail_v) -> None:
+        """One step of every request with the Triton engine: the decodes batched, each chunk on its own.
+
+        ``pages`` [blocks, page_bytes] uint8, ``table`` [requests, blocks] int32 (a request's page of each group),
+        ``tail_k``/``tail_v`` [slots, 128, kv heads, head_size] (the companion's rows of this layer), all on the
+        device; ``qsl``, ``lens`` and ``slots`` (each request's tail row) on the host, batch order.
+        """
+        kt, rot = _kernels(), METHOD == "kvarn"
+        lay = kt.page_layout(self.num_kv_heads, self.head_size, GROUP)
+        dev = query.device
+        one = [r for r in range(len(lens)) if qsl[r + 1] - qsl[r] == 1]
+        if one:
+            self._decodes(kt, lay, rot, query, key, value, output, pages, table, tail_k, tail_v,
+                          [qsl[r] for r in one], [lens[r] - 1 for r in one], torch.tensor(one, device=dev),
+                          torch.tensor([slots[r] for r in one], device=dev))
+        for r in range(len(lens)):
+            q0, q1 = qsl[r], qsl[r + 1]
+            if q1 - q0 > 1:
+                self._chunk(kt, lay, rot, query[q0:q1], key[q0:q1], value[q0:q1], output[q0:q1], pages, table[r],
+                            tail_k[slots[r]], tail_v[slots[r]], lens[r])
+
+    def _decodes(self, kt, lay, rot: bool, query, key, value, output, pages, table, tail_k, tail_v, tokens: list[int],
+                 ctx: list[int], rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Decode tokens (one a request, ``ctx`` tokens cached before each): write, attend, pack full tails."""
+        dev = query.device
+        at = torch.tensor(tokens, device=dev)
+        done = [c // GROUP for c in ctx]
+        held = torch.tensor([c % GROUP for c in ctx], device=dev)
+        tail_k[slots, held] = key[at].to(tail_k.dtype)
+        tail_v[slots, held] = value[at].to(tail_v.dtype)
+        q = query[at]
+        if not math.isclose(self.scale * math.sqrt(self.head_size), 1.0, rel_tol=1e-6):
+            q = q * (self.scale * math.sqrt(self.head_size))  # decode_attention scales by 1/sqrt(head_size)
+        i32 = {"dtype": torch.int32, "device": dev}
+        out = kt.decode_attention(q, pages, table[rows], torch.tensor(done, **i32), max(done), tail_k, tail_v,
+                                  (held + 1).to(torch.int32), layout=lay, rotated=rot, tail_rows=slots.to(torch.int32),
+                                  out=torch.empty(q.shape, dtype=torch.float32, device=dev))  # one rounding, below
+        output[at] = out.to(output.dtype)
+        STATS["group_reads"] += sum(done)
+        full = [i for i, c in enumerate(ctx) if c % GROUP == GROUP - 1]
+        if full:
+            fi = torch.tensor(full, device=dev)
+            page = table[rows[fi], torch.tensor([done[i] for i in full], device=dev)]
+            kt.quantize_groups(pages, page, tail_k[slots[fi]], tail_v[slots[fi]], lay, rot, rot)
+            STATS["groups_packed"] += len(full)
+
+    def _chunk(self, kt, lay, rot: bool, q, k_new, v_new, out, pages, table, tail_k, tail_v, length: int) -> None:
+        """A chunk of ``n`` > 1 tokens of one request: attend over its pages dequantized on the device + its tail +
+        itself, then quantize the groups they fill and keep the rest as the tail."""
+        n = q.shape[0]
+        ctx = length - n
+        done, held = divmod(ctx, GROUP)
+        k_ctx, v_ctx = kt.dequantize_pages(pages, table[:done], torch.float32, lay, rotated=rot)
+        STATS["group_reads"] += done
+        fresh_k = torch.cat([tail_k[:held].float(), k_new.float()])
+        fresh_v = torch.cat([tail_v[:held].float(), v_new.float()])
+        out.copy_(self._attend_sdpa(q, torch.cat([k_ctx, fresh_k]), torch.cat([v_ctx, fresh_v]), ctx).to(out.dtype))
+        full, rest = divmod(held + n, GROUP)
+        if full:
+            shape = (full, GROUP, self.num_kv_heads, self.head_size)
+            kt.quantize_groups(pages, table[done:done + full], fresh_k[:full * GROUP].reshape(shape),
+                               fresh_v[:full * GROUP].reshape(shape), lay, rot, rot)
+            STATS["groups_packed"] += full
+        tail_k[:rest].copy_(fresh_k[full * GROUP:].to(tail_k.dtype))
+        tail_v[:rest].copy_(fresh_v[full * GROUP:].to(tail_v.dtype))
+
+    def _attend_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int) -> torch.Tensor:
+        """Causal GQA attention in float32 on the tensors' device: query i (position ctx + i) sees keys 0..ctx + i."""
+        n, total = q.shape[0], k.shape[0]
+        pos = torch.arange(total, device=q.device)
+        mask = pos[None, :] <= (ctx + torch.arange(n, device=q.device))[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.scale,
+            enable_gqa=True)
+        return o.transpose(0, 1)
 
     def _request(self, q, k_new, v_new, out, pages, table, tail_k, tail_v, length: int) -> None:
         """One request's step: attend over packed groups + tail + new tokens, then write tail + new tokens."""
@@ -313,9 +424,9 @@ class KvarnAttentionImpl(AttentionImpl):
         k_all, v_all = torch.cat([*ks, fresh_k]), torch.cat([*vs, fresh_v])
         out.copy_(self._attend(q.float().cpu(), k_all, v_all, ctx).to(out.dtype))
         full, rest = divmod(held + n, GROUP)
+        kvarn = METHOD == "kvarn"
         for i in range(full):
             sl = slice(i * GROUP, (i + 1) * GROUP)
-            kvarn = METHOD == "kvarn"
             reference.write_page(pages[int(table[done + i])], fresh_k[sl], fresh_v[sl], kvarn, kvarn)
         STATS["groups_packed"] += full
         tail_k[:rest].copy_(fresh_k[full * GROUP:].to(tail_k.dtype))
@@ -334,12 +445,12 @@ class KvarnAttentionImpl(AttentionImpl):
         return torch.einsum("hnt,htd->nhd", s.softmax(-1), v)
 
 
-def _report(first: bool = False) -> None:
+def _report(engine: str, first: bool = False) -> None:
     """A progress line in the server log: at the first packed group, then at most every LOG_EVERY_S."""
     now = time.monotonic()
     if first or now - _logged[0] >= LOG_EVERY_S:
         _logged[0] = now
-        logger.info("rig kvarn (torch engine): %d groups packed, %d group reads, %d layer steps so far",
+        logger.info("rig kvarn (%s engine): %d groups packed, %d group reads, %d layer steps so far", engine,
                     STATS["groups_packed"], STATS["group_reads"], STATS["steps"])
 
 
