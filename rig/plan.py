@@ -207,9 +207,10 @@ def rules(k: Knobs, pf: profiles.ProfileFile, platform: str) -> tuple[list[str],
         fix["SPEC"] = "off"
     errors += kv_rules(k, platform)
     if k.KV == "kvarn" and platform == "gpu":
-        warnings.append("KV='kvarn' on a GPU runs rig's kvarn backend with the format's torch reference, request by "
-                        "request: correct, and far slower than vLLM's own caches; its Triton kernels are not wired "
-                        "into it yet and no GPU has served it (docs/kvarn.md). KV=fp8 is the fast choice today")
+        warnings.append("KV='kvarn' on a GPU runs rig's kvarn backend with its Triton engine, eager (no CUDA graphs: "
+                        "each step is planned on the host), and a prompt's later chunks attend over their dequantized "
+                        "context with a dense mask (chunk x context booleans): slower than vLLM's own caches "
+                        "(docs/kvarn.md, \"The backend in vLLM\"). KV=fp8 is the fast choice today")
     if k.INT8_ACT == "fp8" and k.GPU_ARCH not in FP8_ACT_ARCHS:
         errors.append(f"INT8_ACT='fp8': fp8 activations need SM89 or SM12x, the target is {k.GPU_ARCH} "
                       f"(the RTX 3090 is sm86); allowed there: '', 'int8'")

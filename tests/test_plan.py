@@ -454,8 +454,8 @@ def test_kvarn_refuses_prefix_caching_and_the_int8_prefill_it_would_bypass():
         resolve("kvarn", (), "gpu", environ={}, sets={"PREFILL_ATTN": "int8"})
     gpu = resolve("kvarn", (), "gpu", environ={})
     assert "kvarn-cache" in gpu.patches and gpu.env["VLLM_RIG_KVARN_DIR"] == "kernels/kvarn" and not gpu.kernels
-    assert [w for w in gpu.warnings if w.startswith("KV='kvarn' on a GPU runs rig's kvarn backend with the format's "
-                                                    "torch reference")]
+    assert [w for w in gpu.warnings if w.startswith("KV='kvarn' on a GPU runs rig's kvarn backend with its Triton "
+                                                    "engine, eager")]
 
 
 def test_cpu_refuses_speculative_decoding():

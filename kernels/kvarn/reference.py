@@ -168,6 +168,20 @@ def page_bytes(heads: int = KV_HEADS, dim: int = HEAD_DIM, group: int = GROUP_TO
     return group_bytes(K_BITS, heads, dim, group) + group_bytes(V_BITS, heads, dim, group)
 
 
+def head_token_bytes(dim: int = HEAD_DIM, group: int = GROUP_TOKENS) -> int:
+    """Packed bytes of one token of one KV head, K and V with their scales: a one-head page over its tokens.
+
+    The per-group channel scales are spread over the group's tokens; vLLM's page arithmetic (the
+    backend's spec, the capacity planner) needs a whole number of bytes per head and token, so a
+    ``dim`` whose share is fractional is refused.
+    """
+    total = page_bytes(1, dim, group)
+    if total % group:
+        raise ValueError(f"head_dim={dim}: a KVarN group of one head takes {total} B, not a whole number of bytes "
+                         f"for each of its {group} tokens (a head_dim that is a multiple of 32 is)")
+    return total // group
+
+
 def write_page(page: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool = True,
                normalize: bool = True) -> None:
     """Quantize one whole group k, v [group, heads, dim] into ``page`` (uint8 [page_bytes]), K then V."""

@@ -109,14 +109,6 @@ def _kernels():
     return _load_sibling("kvarn_triton")
 
 
-def head_bytes(head_size: int) -> int:
-    """Stored bytes per KV head and token: the page of one head over a group, per token (208 for 256)."""
-    total = reference.page_bytes(1, head_size, GROUP)
-    if total % GROUP:
-        raise ValueError(f"head_size {head_size}: a group's page ({total} B) is not a whole number of bytes a token")
-    return total // GROUP
-
-
 def tail_bytes(num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
     """One layer's tail for one request, K and V (reference.tail_bytes, in the model's dtype)."""
     return reference.tail_bytes(num_kv_heads, head_size, get_dtype_size(dtype), GROUP)
@@ -237,7 +229,7 @@ class KvarnTail(MambaBase):
     def get_kv_cache_spec(self, vllm_config):
         """MambaBase's spec, padded to the attention page (block x kv heads x 208 B): the common page size."""
         spec = super().get_kv_cache_spec(vllm_config)
-        page = vllm_config.cache_config.block_size * self.num_kv_heads * head_bytes(self.head_size)
+        page = vllm_config.cache_config.block_size * self.num_kv_heads * reference.head_token_bytes(self.head_size)
         need = self.slots * tail_bytes(self.num_kv_heads, self.head_size, self.dtype)
         if page < need:
             raise ValueError(f"KV=kvarn: the attention page ({page} B) cannot hold a request's tail ({need} B); "
@@ -487,12 +479,12 @@ class KvarnAttentionBackend(AttentionBackend):
         """One row of bytes per kernel block: the block's page (one 128-token group, K then V)."""
         if block_size != GROUP:
             raise ValueError(f"KV=kvarn pages hold one {GROUP}-token group; got a kernel block of {block_size}")
-        return num_blocks, block_size * num_kv_heads * head_bytes(head_size)
+        return num_blocks, block_size * num_kv_heads * reference.head_token_bytes(head_size)
 
     @classmethod
     def customize_spec(cls, spec):
         """The packed page: uint8, 208 B per KV head and token (reference.py's layout)."""
-        return replace(spec, dtype=torch.uint8, state_content_bytes=head_bytes(spec.head_size))
+        return replace(spec, dtype=torch.uint8, state_content_bytes=reference.head_token_bytes(spec.head_size))
 
     @classmethod
     def companion_page_bytes(cls, vllm_config) -> int:

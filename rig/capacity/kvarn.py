@@ -35,18 +35,9 @@ def group_tokens() -> int:
 
 
 def head_token_bytes(head_dim: int) -> int:
-    """Packed bytes of one token of one KV head in one layer, K (4-bit) and V (2-bit) with their scales.
-
-    The per-group channel scales are spread over the group's tokens; vLLM's page arithmetic needs a
-    whole number of bytes per head and token, so a head_dim whose share is fractional is refused.
-    """
-    r = reference()
-    group = r.GROUP_TOKENS
-    total = r.group_bytes(r.K_BITS, 1, head_dim, group) + r.group_bytes(r.V_BITS, 1, head_dim, group)
-    if total % group:
-        raise ValueError(f"head_dim={head_dim}: a KVarN group of one head takes {total} B, not a whole number of "
-                         f"bytes for each of its {group} tokens (a head_dim that is a multiple of 32 is)")
-    return total // group
+    """Packed bytes of one token of one KV head in one layer, K (4-bit) and V (2-bit) with their scales
+    (reference.head_token_bytes: the layout's own figure, which the backend publishes to vLLM too)."""
+    return reference().head_token_bytes(head_dim)
 
 
 def tails_per_companion(attention_layers: int, tail: int, state_page: int) -> int:
