@@ -301,18 +301,23 @@ def _prompt_logprobs(server, prompt: str) -> list[float]:
     return [row[str(i)]["logprob"] for i, row in zip(ids[1:], rows[1:], strict=True)]
 
 
-def test_int8_greedy_agrees_with_auto(gpu_server, int8_server):
-    base = gpu_server[0]
+def _greedy_partings(reference, server, prompts) -> tuple[int, list[tuple[int, float]]]:
+    """Greedy continuations of each prompt on both servers: (how many are identical, and for each other one the
+    first token where they part with the gap between the reference's top token and ``server``'s choice there)."""
     same, parted = 0, []
-    for prompt in _int8_prompts("herons"):
-        ref_tokens, ref_top = _greedy(base, prompt)
-        tokens, _ = _greedy(int8_server, prompt)
+    for prompt in prompts:
+        ref_tokens, ref_top = _greedy(reference, prompt)
+        tokens, _ = _greedy(server, prompt)
         if tokens == ref_tokens:
             same += 1
             continue
         i = next(j for j, (a, b) in enumerate(zip(ref_tokens, tokens, strict=True)) if a != b)
-        gap = ref_top[i][ref_tokens[i]] - ref_top[i].get(tokens[i], float("-inf"))
-        parted.append((i, round(gap, 4)))
+        parted.append((i, round(ref_top[i][ref_tokens[i]] - ref_top[i].get(tokens[i], float("-inf")), 4)))
+    return same, parted
+
+
+def test_int8_greedy_agrees_with_auto(gpu_server, int8_server):
+    same, parted = _greedy_partings(gpu_server[0], int8_server, _int8_prompts("herons"))
     print(json.dumps({"int8_greedy_identical": same, "of": len(INT8_NAMES), "parted_at_token_gap": parted}))
     assert all(gap <= INT8_GREEDY_GAP_TOL for _, gap in parted), \
         f"greedy text parted where auto's top two were further apart than {INT8_GREEDY_GAP_TOL}: {parted}"
@@ -494,15 +499,7 @@ def test_kvarn_greedy_agrees_with_auto(kvarn_pair):
     import re
 
     auto, kvarn, _, _ = kvarn_pair
-    same, parted = 0, []
-    for prompt in _kvarn_prompts(auto, 6, 1500):
-        ref_tokens, ref_top = _greedy(auto, prompt)
-        tokens, _ = _greedy(kvarn, prompt)
-        if tokens == ref_tokens:
-            same += 1
-            continue
-        i = next(j for j, (a, b) in enumerate(zip(ref_tokens, tokens, strict=True)) if a != b)
-        parted.append((i, round(ref_top[i][ref_tokens[i]] - ref_top[i].get(tokens[i], float("-inf")), 4)))
+    same, parted = _greedy_partings(auto, kvarn, _kvarn_prompts(auto, 6, 1500))
     print(json.dumps({"kvarn_greedy_identical": same, "of": 6, "parted_at_token_gap": parted}))
     assert all(gap <= KVARN_GREEDY_GAP_TOL for _, gap in parted), \
         f"greedy text parted where auto's top two were further apart than {KVARN_GREEDY_GAP_TOL}: {parted}"
