@@ -156,3 +156,12 @@ def test_engine_perplexity_bench_refuses_bad_input_before_any_server_starts():
         r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
         assert r.returncode != 0 and why in r.stderr, (args, r.stderr[-2000:])
         assert "vllm serve" not in r.stderr and "Starting vLLM" not in r.stderr
+
+
+def test_the_engine_choice_follows_the_device_and_names_a_bad_value(backend):
+    """VLLM_RIG_KVARN_ENGINE: auto takes the Triton engine on CUDA and the torch one elsewhere; an explicit choice
+    wins; anything else stops the engine naming the variable and the allowed values."""
+    assert [backend.engine_for(d, "auto") for d in ("cuda", "cpu")] == ["triton", "torch"]
+    assert backend.engine_for("cuda", "torch") == "torch" and backend.engine_for("cpu", "triton") == "triton"
+    with pytest.raises(ValueError, match=r"VLLM_RIG_KVARN_ENGINE='fast': expected one of auto, torch, triton"):
+        backend.engine_for("cuda", "fast")
