@@ -40,8 +40,8 @@ from rig.quality.perplexity import load_text  # noqa: E402
 from rig.server import free_port  # noqa: E402
 
 METHODS = {"auto": ({"KV": "auto"}, {}), "kvarn": ({}, {}), "rtn": ({}, {"VLLM_RIG_KVARN_METHOD": "rtn"})}
-# On a GPU: the cpu overlay's model and context, a 4 GiB pool in a 24 GiB plan, eager (rig's kvarn backend
-# computes with the torch reference, request by request: nothing a CUDA graph could hold).
+# On a GPU: the cpu overlay's model and context, a 4 GiB pool in a 24 GiB plan, eager (rig's kvarn backend plans
+# each step's batch on the host and declares no CUDA-graph support; auto's server is held to the same).
 GPU_SETS = {"MODEL": "models/trained/tiny-hybrid", "SERVED_NAME": "rig-tiny-hybrid", "MAX_LEN": "32768",
             "KV_MEM": "4G", "GPU_MEM": "24G", "ENFORCE_EAGER": "1"}
 
