@@ -17,8 +17,8 @@ What is held:
 * decode: relative error <= 1e-3 against fp32 attention over the reference-dequantized K/V (plus
   the unquantized tail), and the same distance to fp32 attention over the original K/V as the
   reference has; paged (shuffled pages), GQA 24/4, several splits, a sequence with no full group,
-  one with an empty tail; for each decode split kernel (DECODE_VARIANTS: v1, v2 and v2's knobs).
-  v2 also agrees with v1 to fp32 rounding. Outputs are poisoned with NaN first; inputs are fresh random per check
+  one with an empty tail; for each decode split kernel (DECODE_VARIANTS: v1, v2, v3 and their knobs).
+  v2 and v3 also agree with v1 to fp32 rounding. Outputs are poisoned with NaN first; inputs are fresh random per check
   (the seed is in the message; RIG_TEST_SEED replays). Negative controls: the same bound fails
   when the reader skips the rotation, and a page write leaves other pages untouched.
 """
@@ -328,9 +328,13 @@ def _decode_check(kt, cache, q: torch.Tensor, kv, device: str, where: str, same_
 
 
 DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({}, id="v2"),
+                   pytest.param({"variant": "v3"}, id="v3"),
                    pytest.param({"variant": "v2", "precise": "k"}, id="v2-precise-k"),
-                   pytest.param({"variant": "v2", "block_t": 32, "num_warps": 4}, id="v2-block32")]
-"""decode_attention's split kernels (and v2 knobs) that every decode check runs: v2 is the default."""
+                   pytest.param({"variant": "v2", "block_t": 32, "num_warps": 4}, id="v2-block32"),
+                   pytest.param({"variant": "v3", "precise": "k", "unpack": "cvt", "block_t": 64, "num_warps": 4},
+                                id="v3-cvt-k-block64")]
+"""decode_attention's split kernels (and their knobs) that every decode check runs: v2 is the default; the first
+three are the three kernels at their defaults."""
 
 
 @pytest.mark.parametrize("variant", DECODE_VARIANTS)
@@ -345,7 +349,7 @@ def test_decode_matches_attention_over_the_dequantized_cache(dev, variant):
         assert rel <= DECODE_BOUND, f"relative error {rel} (cosine {cos}) > {DECODE_BOUND}: {where}"
 
 
-@pytest.mark.parametrize("variant", DECODE_VARIANTS[:2])
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:3])
 def test_decode_negative_control_reader_without_rotation_fails(dev, variant):
     """The same check on a KVarN cache read as if unrotated (rotated=False) is far outside the bound."""
     kt, device = dev
@@ -357,7 +361,7 @@ def test_decode_negative_control_reader_without_rotation_fails(dev, variant):
     assert rel > 100 * DECODE_BOUND, f"unrotated read passed ({rel}): the check would not catch it, seed {seed}"
 
 
-@pytest.mark.parametrize("variant", DECODE_VARIANTS[:3])
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:4])
 def test_decode_plain_rtn_layout(dev, variant):
     """The baseline layout (no rotation, channel scales 1) read with rotated=False matches its reference."""
     kt, device = dev
@@ -372,21 +376,25 @@ def test_decode_plain_rtn_layout(dev, variant):
     assert rel <= DECODE_BOUND, f"plain RTN decode rel error {rel}, {variant}, seed {seed}"
 
 
-def test_decode_v2_matches_v1_and_rejects_bad_knobs(dev):
-    """v2 (several tiles, splits, warps) agrees with v1 to ~fp32 rounding on the same cache; bad knobs are refused."""
+def test_decode_v2_v3_match_v1_and_reject_bad_knobs(dev):
+    """v2 and v3 (several tiles, splits, warps, stages, unpacks) agree with v1 to ~fp32 rounding on the same cache;
+    bad knobs are refused by name."""
     kt, device = dev
     seed = _fresh_seed()
     cache, q, _ = _build(kt, [520, 300], seed, device, pieces=False)
     q = q.to(device)
     v1 = cache.decode(q, variant="v1", splits=3).float()
-    for kw in ({"block_t": 32, "splits": 1}, {"block_t": 64, "splits": 4, "num_warps": 8}, {"block_t": 16}):
-        v2 = cache.decode(q, variant="v2", **kw).float()
-        rel = ((v2 - v1).norm() / v1.norm()).item()
-        assert rel <= 1e-5, f"v2 {kw} vs v1: rel {rel}, seed {seed}"
-    with pytest.raises(ValueError, match="variant"):
-        cache.decode(q, variant="v3")
-    with pytest.raises(ValueError, match="block_t"):
-        cache.decode(q, variant="v2", block_t=48)
+    for kw in ({"block_t": 32, "splits": 1}, {"block_t": 64, "splits": 4, "num_warps": 8}, {"block_t": 16},
+               {"variant": "v3", "splits": 1}, {"variant": "v3", "splits": 4, "unpack": "cvt", "stages": 2},
+               {"variant": "v3", "num_warps": 4, "stages": 3}, {"variant": "v3", "block_t": 32, "precise": "kv"}):
+        got = cache.decode(q, **{"variant": "v2", **kw}).float()
+        rel = ((got - v1).norm() / v1.norm()).item()
+        assert rel <= 1e-5, f"{kw} vs v1: rel {rel}, seed {seed}"
+    for bad, name in (({"variant": "v4"}, "variant"), ({"variant": "v2", "block_t": 48}, "block_t"),
+                      ({"variant": "v3", "block_t": 8}, "block_t"), ({"variant": "v3", "unpack": "int"}, "unpack"),
+                      ({"stages": 0}, "stages")):
+        with pytest.raises(ValueError, match=name):
+            cache.decode(q, **bad)
 
 
 # ----------------------------------------------------------------------------- the engine inside vLLM's backend
@@ -407,8 +415,7 @@ def _attention_over_pages(r, pool, pages: list[int], k, v, q, ctx: int, rotated:
     start = len(pages) * r.GROUP_TOKENS
     k_all = torch.cat([*ks, k[start:ctx + q.shape[0]].float()])
     v_all = torch.cat([*vs, v[start:ctx + q.shape[0]].float()])
-    return torch.cat([r.attention(q[i:i + 1].float(), k_all[:ctx + i + 1], v_all[:ctx + i + 1])
-                      for i in range(q.shape[0])])
+    return r.causal_attention(q, k_all, v_all, ctx)
 
 
 @pytest.mark.parametrize("method", ["kvarn", "rtn"])
@@ -488,7 +495,7 @@ def test_the_vllm_backends_triton_engine_is_attention_over_its_pages(dev, method
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", DECODE_VARIANTS[:3])
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:4])
 @pytest.mark.parametrize("length", [8192, 32768])
 def test_decode_gpu_scale_eight_sequences(length, variant):
     """8 sequences of ~length tokens (ragged), fp16 query, default splits: vs fp32 attention over the kernel's

@@ -42,7 +42,8 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
     split = {"qr_ptr": "*fp32", "u8_ptr": "*u8", "f16_ptr": "*fp16", "bt_ptr": "*i32", "stride_bt": "i32",
              "ngroups_ptr": "*i32", "o_ptr": "*fp32", "ml_ptr": "*fp32", "page_bytes": "i32", "gps": "i32"}
     combine = {"o_ptr": "*fp32", "ml_ptr": "*fp32", "qp_ptr": "*fp32", "tk_ptr": "*bf16", "tv_ptr": "*bf16",
-               "tail_len_ptr": "*i32", "stride_ts": "i32", "stride_tt": "i32", "rot_ptr": "*fp32", "plain_ptr": "*fp32"}
+               "tail_len_ptr": "*i32", "tail_row_ptr": "*i32", "stride_ts": "i32", "stride_tt": "i32",
+               "rot_ptr": "*fp32", "plain_ptr": "*fp32"}
     rot = {"x_ptr": "*fp32", "s_ptr": "*fp16", "add_ptr": "*fp32", "o_ptr": "*bf16", "M": "i32", "inv_sqrt_d": "fp32"}
     return [
         ("rotate", kt._rotate_kernel, rot, dict(D=256, BM=32, BN=64, HAS_ADD=True), {"num_warps": 4}),
@@ -57,8 +58,15 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
                 PRECISE_V="v" in pk), {"num_warps": w})
           for bt, w, pk in ((32, 4, "kv"), (64, 4, "kv"), (64, 8, "kv"), (128, 4, "kv"), (128, 8, "kv"),
                             (128, 16, "kv"), (64, 8, "k"), (128, 8, "k"), (128, 16, "k"))],
+        *[(f"decode split v3 t{bt} w{w} s{st} {pk or 'fp16'} {'magic' if mg else 'cvt'}", kt._decode_split_kernel_v3,
+           split, dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=16, BLOCK_G=16, BLOCK_T=bt, PRECISE_K="k" in pk,
+                       PRECISE_V="v" in pk, MAGIC=mg), {"num_warps": w, "num_stages": st})
+          for bt, w, st, pk, mg in ((128, 4, 3, "kv", True), (128, 8, 3, "kv", True), (128, 8, 1, "kv", True),
+                                    (128, 8, 3, "kv", False), (128, 8, 3, "k", True), (64, 8, 3, "kv", True),
+                                    (64, 4, 3, "kv", True), (32, 4, 3, "kv", True))],
         ("decode combine", kt._decode_combine_kernel, combine, dict(HKV=4, QPK=6, D=256, T=128, NSPLIT=33,
-                                                                   NSPLIT_P2=64, TAIL_T=16), {"num_warps": 4}),
+                                                                   NSPLIT_P2=64, TAIL_T=16, TAIL_ROWS=True),
+         {"num_warps": 4}),
     ]
 
 

@@ -1,4 +1,4 @@
-"""KVarN decode tile sweep on a GPU: each (variant, block_t, num_warps, splits, precise) config vs fp16 SDPA.
+"""KVarN decode sweep on a GPU: each (variant, block_t, warps, stages, splits, precise, unpack) config vs fp16 SDPA.
 
 For --lengths (default 8k, 32k, 128k) and --batch 8 sequences (kvarn_bench.decode_setup's inputs:
 random K/V quantized into a packed pool, the same tokens as an fp16 cache, one fp16 query token per
@@ -30,29 +30,28 @@ import kvarn_bench as kb  # noqa: E402
 BASELINE = {"variant": "v1"}
 """The old kernel at its defaults (block_t 32, 8 warps, auto splits): the sweep's reference output."""
 CONFIGS = [BASELINE] + [
-    {"variant": "v2", "block_t": bt, "num_warps": w, "precise": "kv"}
-    for bt, w in ((32, 8), (64, 4), (64, 8), (128, 8), (128, 16))
+    {"variant": "v2", "block_t": 128, "num_warps": 8, "precise": pk} for pk in ("kv", "k")
 ] + [
-    {"variant": "v2", "block_t": bt, "num_warps": 8, "precise": "kv", "splits": sp}
-    for bt, sp in ((128, 8), (128, 32), (128, 64), (64, 32))
-] + [
-    {"variant": "v2", "block_t": bt, "num_warps": w, "precise": "k"} for bt, w in ((64, 8), (128, 8), (128, 16))
-] + [
-    {"variant": "v2", "block_t": 128, "num_warps": 8, "precise": "k", "splits": sp} for sp in (8, 32)
-] + [
-    {"variant": "v2", "block_t": bt, "num_warps": 8, "precise": ""} for bt in (64, 128)
+    {"variant": "v3", **kw} for kw in (
+        {}, {"num_warps": 4}, {"num_warps": 16}, {"stages": 1}, {"stages": 2}, {"stages": 4},
+        {"unpack": "cvt"}, {"precise": "k"}, {"precise": ""}, {"splits": 8}, {"splits": 32}, {"splits": 64},
+        {"precise": "k", "num_warps": 4}, {"precise": "k", "unpack": "cvt", "num_warps": 4},
+        {"block_t": 64}, {"block_t": 64, "num_warps": 4}, {"block_t": 32, "num_warps": 4})
 ]
-"""17 configs (sm90 compile check: 4 warps spill at every block_t, 8 warps at block_t 128 and 16 warps do not or
-barely). precise "kv" is v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
-SMOKE_CONFIGS = [BASELINE, {"variant": "v2"},
-                 {"variant": "v2", "block_t": 128, "num_warps": 8, "precise": "k", "splits": 2}]
+"""20 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps were
+slower there), and v3 (codes read as stored, K's as the large dot operand) at its defaults (block_t 128, 8 warps,
+Triton's default pipelining, "magic" unpack, precise "kv") and one or two knobs changed at a time. precise "kv" is
+v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
+SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
 
 
-def label(cfg: dict, kt_defaults: dict) -> tuple[str, str, str, str, str]:
-    """Table cells: variant, block_t, warps, splits, precise (kernel defaults shown as such)."""
+def label(cfg: dict, kt_defaults: dict) -> tuple[str, str, str, str, str, str]:
+    """Table cells: variant (v3: and its unpack), block_t, warps, stages, splits, precise (kernel defaults shown as
+    such)."""
     d = kt_defaults[cfg["variant"]]
-    return (cfg["variant"], str(cfg.get("block_t", d[0])), str(cfg.get("num_warps", d[1])),
-            str(cfg.get("splits", "auto")), repr(cfg.get("precise", "kv")) if cfg["variant"] == "v2" else "kv (hi+lo)")
+    variant = cfg["variant"] + (f" {cfg.get('unpack', 'magic')}" if cfg["variant"] == "v3" else "")
+    return (variant, str(cfg.get("block_t", d[0])), str(cfg.get("num_warps", d[1])), str(cfg.get("stages", "default")),
+            str(cfg.get("splits", "auto")), repr(cfg.get("precise", "kv")) if cfg["variant"] != "v1" else "kv (hi+lo)")
 
 
 def main() -> int:
@@ -62,8 +61,17 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20, help="timed iterations (median)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny size, 3 configs, CPU in Triton's interpreter")
+    ap.add_argument("--only", default="", help="only the configs of this variant (v1, v2, v3), or only CONFIGS[N] "
+                                               "for a number N (e.g. one kernel under a profiler)")
     a = ap.parse_args()
-    configs = CONFIGS
+    if a.only.isdigit():
+        configs = CONFIGS[int(a.only):int(a.only) + 1]
+    else:
+        configs = [c for c in CONFIGS if not a.only or c["variant"] == a.only]
+    if not configs:
+        print(f"--only {a.only}: no such config; a variant (v1, v2, v3) or an index below {len(CONFIGS)}",
+              file=sys.stderr)
+        return 2
     if a.smoke:
         a.lengths, a.batch, a.iters, a.warmup, configs = "256,384", 2, 1, 0, SMOKE_CONFIGS
     lengths = [int(x) for x in a.lengths.split(",") if x]
@@ -120,11 +128,11 @@ def main() -> int:
         return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
     cols = " | ".join(f"µs {short(n)}" for n in lengths)
-    print(f"| variant | block_t | warps | splits | precise | {cols} | vs SDPA {short(key)} | % copy {short(key)} "
-          "| max abs diff vs v1 |")
-    print("|---|---:|---:|---:|---|" + "---:|" * len(lengths) + "---:|---:|---:|")
+    print(f"| variant | block_t | warps | stages | splits | precise | {cols} | vs SDPA {short(key)} "
+          f"| % copy {short(key)} | max abs diff vs v1 |")
+    print("|---|---:|---:|---:|---:|---|" + "---:|" * len(lengths) + "---:|---:|---:|")
     spct = "smoke" if a.smoke else f"{100 * plain[key] / sdpa[key] / copy_bps:.0f}%"
-    print(f"| fp16 SDPA | - | - | - | - | {' | '.join(us(sdpa[n]) for n in lengths)} | 1.00x | {spct} | - |")
+    print(f"| fp16 SDPA | - | - | - | - | - | {' | '.join(us(sdpa[n]) for n in lengths)} | 1.00x | {spct} | - |")
     order = sorted(range(len(configs)), key=lambda i: (bool(errors[i]), times[i].get(key, float("inf"))))
     for i in order:
         cells = " | ".join(label(configs[i], kt.DECODE_DEFAULTS))

@@ -499,6 +499,138 @@ def _decode_split_kernel_v2(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
 
 
 @triton.jit
+def _code(raw, SHIFT: tl.constexpr, MASK: tl.constexpr, MAGIC: tl.constexpr):
+    """The code at bits SHIFT.. of each byte (MASK: 15 or 3) as fp16, exact.
+
+    MAGIC: or the code into the mantissa of fp16 1024 (0x6400) and subtract 1024 (exact for codes
+    < 1024): a shift, a logic op and an fp16 subtract, without the int -> float conversion (a
+    quarter-rate instruction on sm86/sm90) that ``.to(tl.float16)`` emits.
+    """
+    c = (raw >> SHIFT) & MASK
+    if MAGIC:
+        return (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    return c.to(tl.float16)
+
+
+@triton.jit
+def _decode_split_kernel_v3(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_ptr, ml_ptr, page_bytes, gps,
+                            K_CODES: tl.constexpr, K_TS: tl.constexpr, K_TO: tl.constexpr, K_CS: tl.constexpr,
+                            V_CODES: tl.constexpr, V_TS: tl.constexpr, V_TO: tl.constexpr, V_CS: tl.constexpr,
+                            HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                            NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
+                            PRECISE_K: tl.constexpr, PRECISE_V: tl.constexpr, MAGIC: tl.constexpr):
+    """_decode_split_kernel's math with the codes as the tensor cores' large operand, read as stored.
+
+    Tiles of BLOCK_T tokens, unrolled inside a group (the query's channel-scale work is once a
+    group), so the loop over groups is the innermost loop, the one Triton software-pipelines (the
+    launch's num_stages). Codes are loaded in their stored
+    order with wide loads and never re-ordered: K's bytes [T, D/2] give the even (low nibble) and odd
+    (high nibble) channels as the large operand, and the scores come out transposed, s^T [T, rows] =
+    lo @ q'_even^T + hi @ q'_odd^T; V's bytes [T, D/4] give channels 4i+j from crumb j, as v1 does,
+    acc_j [rows, D/4] += (p ts) @ crumb_j (V's codes as the large operand, [D/4, T] @ [T, rows],
+    compiled to a shared-memory read out of bounds with triton 3.6 on sm90: compute-sanitizer,
+    H100, 2026-12-06). The codes go from memory to the tensor cores with one unpack (MAGIC: no
+    int -> float conversion). o/ml are exactly v1's, for the same combine kernel.
+    """
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    j = tl.program_id(2)
+    HQ: tl.constexpr = HKV * QPK
+    KB: tl.constexpr = D // 2
+    VB: tl.constexpr = D // 4
+    rows = tl.arange(0, BLOCK_G)
+    rmask = rows < QPK
+    i2 = tl.arange(0, KB)
+    i4 = tl.arange(0, VB)
+    tt = tl.arange(0, BLOCK_T)
+    qcol = qr_ptr + (s * HQ + h * QPK + rows).to(tl.int64)[None, :] * D
+    qe = tl.load(qcol + 2 * i2[:, None], mask=rmask[None, :], other=0.0)  # [KB, G]: q^T, even channels
+    qo = tl.load(qcol + 2 * i2[:, None] + 1, mask=rmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc0 = tl.zeros([BLOCK_G, VB], tl.float32)  # acc_j[row, i]: channel 4i+j, rotated domain
+    acc1 = tl.zeros([BLOCK_G, VB], tl.float32)
+    acc2 = tl.zeros([BLOCK_G, VB], tl.float32)
+    acc3 = tl.zeros([BLOCK_G, VB], tl.float32)
+    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    g0 = j * gps
+    g1 = tl.minimum(g0 + gps, tl.load(ngroups_ptr + s))
+    for g in range(g0, g1):
+        base = tl.load(bt_row + g).to(tl.int64) * page_bytes
+        fb = base // 2
+        kcs = f16_ptr + fb + K_CS // 2 + h * D + 2 * i2
+        qse = qe * tl.load(kcs).to(tl.float32)[:, None]
+        qso = qo * tl.load(kcs + 1).to(tl.float32)[:, None]
+        qsum = tl.sum(qse, axis=0) + tl.sum(qso, axis=0)
+        amax = tl.maximum(tl.max(tl.abs(qse), axis=0), tl.max(tl.abs(qso), axis=0))
+        amax = tl.where(amax > 0, amax, 1.0)
+        qse = qse / amax[None, :]
+        qso = qso / amax[None, :]
+        e_hi = qse.to(tl.float16)
+        o_hi = qso.to(tl.float16)
+        e_lo = (qse - e_hi.to(tl.float32)).to(tl.float16)
+        o_lo = (qso - o_hi.to(tl.float32)).to(tl.float16)
+        vcs = f16_ptr + fb + V_CS // 2 + h * D + 4 * i4
+        vcs0 = tl.load(vcs).to(tl.float32)[None, :]
+        vcs1 = tl.load(vcs + 1).to(tl.float32)[None, :]
+        vcs2 = tl.load(vcs + 2).to(tl.float32)[None, :]
+        vcs3 = tl.load(vcs + 3).to(tl.float32)[None, :]
+        for t0 in tl.static_range(0, T, BLOCK_T):
+            t = t0 + tt
+            kraw = tl.load(u8_ptr + base + K_CODES + (t[:, None] * HKV + h) * KB + i2[None, :])  # [BLOCK_T, KB]
+            vraw = tl.load(u8_ptr + base + V_CODES + (t[:, None] * HKV + h) * VB + i4[None, :])  # [BLOCK_T, VB]
+            ts = tl.load(f16_ptr + fb + K_TS // 2 + t * HKV + h).to(tl.float32)
+            to = tl.load(f16_ptr + fb + K_TO // 2 + t * HKV + h).to(tl.float32)
+            tsv = tl.load(f16_ptr + fb + V_TS // 2 + t * HKV + h).to(tl.float32)
+            tov = tl.load(f16_ptr + fb + V_TO // 2 + t * HKV + h).to(tl.float32)
+            klo = _code(kraw, 0, 15, MAGIC)
+            khi = _code(kraw, 4, 15, MAGIC)
+            dots = tl.dot(klo, e_hi, out_dtype=tl.float32) + tl.dot(khi, o_hi, out_dtype=tl.float32)  # [BLOCK_T, G]
+            if PRECISE_K:
+                dots += tl.dot(klo, e_lo, out_dtype=tl.float32) + tl.dot(khi, o_lo, out_dtype=tl.float32)
+            sc = dots * amax[None, :] * ts[:, None] + qsum[None, :] * to[:, None]
+            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+            tmax = tl.max(tsv, axis=0)
+            tmax = tl.where(tmax > 0, tmax, 1.0)
+            pa = tl.trans(p * (tsv / tmax)[:, None])  # [G, BLOCK_T]
+            a_hi = pa.to(tl.float16)
+            a_lo = (pa - a_hi.to(tl.float32)).to(tl.float16)
+            off = tl.sum(p * tov[:, None], axis=0)[:, None]
+            c0 = _code(vraw, 0, 3, MAGIC)
+            pv0 = tl.dot(a_hi, c0, out_dtype=tl.float32)
+            if PRECISE_V:
+                pv0 += tl.dot(a_lo, c0, out_dtype=tl.float32)
+            acc0 = acc0 * alpha[:, None] + (pv0 * tmax + off) * vcs0
+            c1 = _code(vraw, 2, 3, MAGIC)
+            pv1 = tl.dot(a_hi, c1, out_dtype=tl.float32)
+            if PRECISE_V:
+                pv1 += tl.dot(a_lo, c1, out_dtype=tl.float32)
+            acc1 = acc1 * alpha[:, None] + (pv1 * tmax + off) * vcs1
+            c2 = _code(vraw, 4, 3, MAGIC)
+            pv2 = tl.dot(a_hi, c2, out_dtype=tl.float32)
+            if PRECISE_V:
+                pv2 += tl.dot(a_lo, c2, out_dtype=tl.float32)
+            acc2 = acc2 * alpha[:, None] + (pv2 * tmax + off) * vcs2
+            c3 = _code(vraw, 6, 3, MAGIC)
+            pv3 = tl.dot(a_hi, c3, out_dtype=tl.float32)
+            if PRECISE_V:
+                pv3 += tl.dot(a_lo, c3, out_dtype=tl.float32)
+            acc3 = acc3 * alpha[:, None] + (pv3 * tmax + off) * vcs3
+    slot = ((s * HQ + h * QPK + rows) * NSPLIT + j).to(tl.int64)
+    out = o_ptr + slot[:, None] * D + 4 * i4[None, :]
+    tl.store(out, acc0, mask=rmask[:, None])
+    tl.store(out + 1, acc1, mask=rmask[:, None])
+    tl.store(out + 2, acc2, mask=rmask[:, None])
+    tl.store(out + 3, acc3, mask=rmask[:, None])
+    tl.store(ml_ptr + slot * 2, m_i, mask=rmask)
+    tl.store(ml_ptr + slot * 2 + 1, l_i, mask=rmask)
+
+
+@triton.jit
 def _decode_combine_kernel(o_ptr, ml_ptr, qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, tail_row_ptr, stride_ts, stride_tt,
                            rot_ptr, plain_ptr, HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
                            NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, TAIL_T: tl.constexpr,
@@ -569,7 +701,7 @@ def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device) ->
     return gps, math.ceil(max_groups / gps)
 
 
-DECODE_DEFAULTS = {"v1": (32, 8), "v2": (128, 8)}
+DECODE_DEFAULTS = {"v1": (32, 8), "v2": (128, 8), "v3": (128, 8)}
 """Per decode variant: (block_t, num_warps) when the caller gives none. v2 at (128, 8) was the fastest exact config of
 bench/scripts/kvarn_decode_sweep.py on the H200 (2026-12-05, triton 3.6): 761.9 us at 8 x 32k against v1's 1,037.3."""
 
@@ -578,7 +710,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                      max_groups: int, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_len: torch.Tensor,
                      out: torch.Tensor | None = None, layout: PageLayout = MODEL_LAYOUT, rotated: bool = True,
                      splits: int | None = None, block_t: int | None = None, num_warps: int | None = None,
-                     variant: str = "v2", precise: str = "kv", tail_rows: torch.Tensor | None = None) -> torch.Tensor:
+                     variant: str = "v2", precise: str = "kv", tail_rows: torch.Tensor | None = None,
+                     stages: int | None = None, unpack: str = "magic") -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
 
     q [S, HQ, D]; block_table int32 [S, >= max_groups] (page of each full group); n_groups, tail_len
@@ -592,9 +725,12 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     variant: "v2" (the default; _decode_split_kernel_v2: one K and one V dot per tile, each x2 (fp16
     hi + lo) where ``precise`` names it: "kv" (default), "k", "v" or ""; defaults block_t 128, 8 warps)
     or "v1" (_decode_split_kernel: BLOCK_T-token tiles, 12 dots each; defaults block_t 32, 8 warps),
-    kept as the sweep's reference.
-    splits, block_t (a power of two dividing 128), num_warps and precise are tuning knobs; the
-    combine kernel and the outputs' meaning are the same.
+    kept as the sweep's reference, or "v3" (_decode_split_kernel_v3: codes read as stored, K's as
+    the large dot operand, the query's per-group work once a group; defaults block_t 128, 8 warps;
+    ``unpack`` "magic" (default) or "cvt" says how a code becomes fp16).
+    splits, block_t (a power of two dividing 128), num_warps, stages (the launch's num_stages: how
+    deep Triton pipelines the innermost loop; its default when None) and precise are tuning knobs;
+    the combine kernel and the outputs' meaning are the same.
     """
     if variant not in DECODE_DEFAULTS:
         raise ValueError(f"variant {variant!r}: one of {sorted(DECODE_DEFAULTS)}")
@@ -602,6 +738,10 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     num_warps = num_warps or DECODE_DEFAULTS[variant][1]
     if block_t < 16 or layout.group % block_t or block_t & (block_t - 1):
         raise ValueError(f"block_t {block_t}: a power of two >= 16 dividing {layout.group}")
+    if unpack not in ("magic", "cvt"):
+        raise ValueError(f"unpack {unpack!r}: 'magic' or 'cvt'")
+    if stages is not None and stages < 1:
+        raise ValueError(f"stages {stages}: a positive number of pipeline stages, or None for Triton's default")
     s_, hq, d = q.shape
     hkv, t = layout.heads, layout.group
     if hq % hkv or d != layout.dim:
@@ -625,6 +765,11 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         kernel = _decode_split_kernel
         if variant == "v2":
             kernel, kw["PRECISE_K"], kw["PRECISE_V"] = _decode_split_kernel_v2, "k" in precise, "v" in precise
+        if variant == "v3":
+            kernel, kw["PRECISE_K"], kw["PRECISE_V"] = _decode_split_kernel_v3, "k" in precise, "v" in precise
+            kw["MAGIC"] = unpack == "magic"
+        if stages is not None:
+            kw["num_stages"] = stages
         kernel[(s_, hkv, nsplit)](qr, pool, pool.view(torch.float16), block_table, block_table.stride(0), n_groups,
                                   o_part, ml, lay.page_bytes, gps, **kw)
     rot = torch.empty(s_, hq, d, dtype=torch.float32, device=q.device)
