@@ -36,6 +36,7 @@ vLLM's ``align`` mode could checkpoint).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -292,6 +293,12 @@ class KvarnAttentionImpl(AttentionImpl):
                          "layer), each request's tail in a companion state layer", self.engine, METHOD,
                          self.page_bytes, GROUP, self.page_bytes // GROUP)
 
+    @functools.cached_property
+    def layout(self):
+        """The page layout the Triton kernels read: built once a layer, on first use (the torch engine needs no
+        Triton, so a CPU host without it never builds one)."""
+        return _kernels().page_layout(self.num_kv_heads, self.head_size, GROUP)
+
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: KvarnMetadata | None, output: torch.Tensor | None = None, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
@@ -330,8 +337,7 @@ class KvarnAttentionImpl(AttentionImpl):
         ``tail_k``/``tail_v`` [slots, 128, kv heads, head_size] (the companion's rows of this layer), all on the
         device; ``qsl``, ``lens`` and ``slots`` (each request's tail row) on the host, batch order.
         """
-        kt, rot = _kernels(), METHOD == "kvarn"
-        lay = kt.page_layout(self.num_kv_heads, self.head_size, GROUP)
+        kt, rot, lay = _kernels(), METHOD == "kvarn", self.layout
         dev = query.device
         one = [r for r in range(len(lens)) if qsl[r + 1] - qsl[r] == 1]
         if one:
