@@ -277,6 +277,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return torch.einsum("hnl,lhd->nhd", logits.softmax(-1), vv)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int) -> torch.Tensor:
+    """A step's n new queries q [n, q_heads, d] (positions ctx..ctx+n-1) over k, v [>= ctx + n, kv_heads, d]:
+    query i sees keys 0..ctx+i (what an engine step computes for a chunk or a decode token)."""
+    return torch.cat([attention(q[i:i + 1], k[:ctx + i + 1], v[:ctx + i + 1]) for i in range(q.shape[0])])
+
+
 def synthetic(length: int, seed: int, queries: int = 4, q_heads: int = 24,
               outliers: bool = True) -> tuple[torch.Tensor, ...]:
     """Real-shaped q, K, V with what KVarN exists for: a few hot channels and a few outlier-scale tokens.
