@@ -41,6 +41,22 @@ class Device:
     free_bytes: int | None = None
 
 
+def nvml_device() -> Device:
+    """GPU 0 through NVML (name, arch, total and free memory), with no plan: the one probe that serve's
+    preflight, the GPU tier and the GPU benches share. Raises what NVML or its import raises."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        name = pynvml.nvmlDeviceGetName(h)
+    finally:
+        pynvml.nvmlShutdown()
+    return Device("gpu", str(name), f"sm{major}{minor}", mem.free / 2**30, int(mem.total), int(mem.free))
+
+
 def probe_device(plan: Plan) -> Device:
     """The CUDA device through NVML (its arch and free memory) or the CPU fallback."""
     if plan.platform == "cpu":
@@ -48,27 +64,17 @@ def probe_device(plan: Plan) -> Device:
 
         return Device("cpu", pf.processor() or pf.machine(), "cpu")
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            h = pynvml.nvmlDeviceGetHandleByIndex(0)
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            name = pynvml.nvmlDeviceGetName(h)
-        finally:
-            pynvml.nvmlShutdown()
+        dev = nvml_device()
     except Exception as e:
         raise PreflightError(f"no CUDA GPU answers NVML ({e}); on a CPU host use the cpu overlay "
                              "(the default there)") from None
-    dev = Device("gpu", str(name), f"sm{major}{minor}", mem.free / 2**30, int(mem.total), int(mem.free))
     if dev.arch != plan.knobs["GPU_ARCH"]:
         print(f"rig: warning: the plan targets {plan.knobs['GPU_ARCH']}, this GPU is {dev.arch} ({dev.name}); "
               f"set GPU_ARCH={dev.arch} to validate for it", file=sys.stderr)
-    planned = plan.knobs.get("GPU_MEM") or mem.total
-    if planned > mem.total:
-        raise PreflightError(f"GPU_MEM={planned / 2**30:.1f} GiB: this GPU has {mem.total / 2**30:.1f} GiB in all; "
-                             "lower GPU_MEM or leave it 0 (the whole card)")
+    planned = plan.knobs.get("GPU_MEM") or dev.total_bytes
+    if planned > dev.total_bytes:
+        raise PreflightError(f"GPU_MEM={planned / 2**30:.1f} GiB: this GPU has {dev.total_bytes / 2**30:.1f} GiB in "
+                             "all; lower GPU_MEM or leave it 0 (the whole card)")
     need = plan.knobs["GPU_UTIL"] * planned / 2**30
     if dev.free_gib < need * 0.98:
         raise PreflightError(f"GPU has {dev.free_gib:.1f} GiB free, GPU_UTIL={plan.knobs['GPU_UTIL']} needs "

@@ -23,35 +23,24 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rig.serve import nvml_device
+
 pytestmark = pytest.mark.gpu
 
 
 def _cuda_device() -> tuple[str, str] | None:
-    """(name, smXY) of GPU 0 through NVML, or None."""
+    """(name, smXY) of GPU 0 through NVML (serve's own probe), or None."""
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            h = pynvml.nvmlDeviceGetHandleByIndex(0)
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
-            return str(pynvml.nvmlDeviceGetName(h)), f"sm{major}{minor}"
-        finally:
-            pynvml.nvmlShutdown()
+        dev = nvml_device()
     except Exception:
         return None
+    return dev.name, dev.arch
 
 
 def _memory() -> tuple[int, int]:
-    """(total, free) bytes of GPU 0 through NVML."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
-        return int(mem.total), int(mem.free)
-    finally:
-        pynvml.nvmlShutdown()
+    """(total, free) bytes of GPU 0 through NVML (serve's own probe)."""
+    dev = nvml_device()
+    return dev.total_bytes, dev.free_bytes
 
 
 def _skip_reason() -> str | None:

@@ -37,6 +37,7 @@ from rig.plan import resolve  # noqa: E402
 from rig.quality import suite  # noqa: E402
 from rig.quality.client import Client  # noqa: E402
 from rig.quality.perplexity import load_text  # noqa: E402
+from rig.serve import nvml_device  # noqa: E402
 from rig.server import free_port  # noqa: E402
 
 METHODS = {"auto": ({"KV": "auto"}, {}), "kvarn": ({}, {}), "rtn": ({}, {"VLLM_RIG_KVARN_METHOD": "rtn"})}
@@ -44,18 +45,6 @@ METHODS = {"auto": ({"KV": "auto"}, {}), "kvarn": ({}, {}), "rtn": ({}, {"VLLM_R
 # each step's batch on the host and declares no CUDA-graph support; auto's server is held to the same).
 GPU_SETS = {"MODEL": "models/trained/tiny-hybrid", "SERVED_NAME": "rig-tiny-hybrid", "MAX_LEN": "32768",
             "KV_MEM": "4G", "GPU_MEM": "24G", "ENFORCE_EAGER": "1"}
-
-
-def _gpu_arch() -> str:
-    """smXY of GPU 0 through NVML: the plan's GPU_ARCH."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(0))
-        return f"sm{major}{minor}"
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def window_nll_split(client: Client, ids: list[int], first: int) -> tuple[float, int, float, int]:
@@ -92,7 +81,7 @@ def measure(method: str, sets: list[str], windows: int, window_tokens: int, log_
     from rig.serve import start
 
     knobs, env = METHODS[method]
-    own = {**GPU_SETS, "GPU_ARCH": _gpu_arch()} if platform == "gpu" else {}
+    own = {**GPU_SETS, "GPU_ARCH": nvml_device().arch} if platform == "gpu" else {}
     plan = resolve("kvarn", platform=platform, environ={}, sets={"PORT": str(free_port()),
                                                                   "API_KEY_FILE": str(log_dir / "key"), **own,
                                                                   **knobs})
