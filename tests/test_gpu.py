@@ -417,7 +417,6 @@ KVARN_FIRST_STEP_TOL = 0.1
 # Tokens of the later steps attend over the packed groups the first step wrote: their perplexity within
 # this of auto's (the CPU engine measured < 0.6 % on rig's corpus, docs/kvarn.md).
 KVARN_CACHED_PPL_TOL = 0.02
-KVARN_STEP = 2048  # max_num_batched_tokens of profiles/base.toml: the test's prompts cross it
 
 
 def _kvarn_sets(tmp: Path, arch: str) -> dict[str, str]:
@@ -501,7 +500,9 @@ def test_kvarn_prompt_logprobs_agree_with_auto(kvarn_pair):
     """4,096-token prompts in two steps: the first exact, the second over the 16 groups the first packed."""
     import math
 
-    auto, kvarn, _, _ = kvarn_pair
+    auto, kvarn, plan, _ = kvarn_pair
+    step = int(plan.argv[plan.argv.index("--max-num-batched-tokens") + 1])  # the prompts' first step
+    assert 4096 > step, f"a step of {step} tokens holds the whole 4,096-token prompt: no token reads the cache"
     first, cached = [], {"auto": [], "kvarn": []}
     for ids in _kvarn_prompts(auto, 3, 4096):
         rows = {}
@@ -511,8 +512,8 @@ def test_kvarn_prompt_logprobs_agree_with_auto(kvarn_pair):
             assert r.status_code == 200, r.text
             plp = r.json()["choices"][0]["prompt_logprobs"]
             rows[name] = [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], plp[1:], strict=True)]
-            cached[name] += rows[name][KVARN_STEP - 1:]
-        first += [abs(a - b) for a, b in zip(rows["auto"][:KVARN_STEP - 1], rows["kvarn"][:KVARN_STEP - 1],
+            cached[name] += rows[name][step - 1:]
+        first += [abs(a - b) for a, b in zip(rows["auto"][:step - 1], rows["kvarn"][:step - 1],
                                              strict=True)]
     ppl = {k: math.exp(-sum(v) / len(v)) for k, v in cached.items()}
     print(json.dumps({"kvarn_first_step_max_abs_diff": max(first), "first_step_mean_abs_diff": sum(first) / len(first),
