@@ -544,8 +544,6 @@ def _decode_split_kernel_v3(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
     i4 = tl.arange(0, VB)
     tt = tl.arange(0, BLOCK_T)
     qcol = qr_ptr + (s * HQ + h * QPK + rows).to(tl.int64)[None, :] * D
-    qe = tl.load(qcol + 2 * i2[:, None], mask=rmask[None, :], other=0.0)  # [KB, G]: q^T, even channels
-    qo = tl.load(qcol + 2 * i2[:, None] + 1, mask=rmask[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc0 = tl.zeros([BLOCK_G, VB], tl.float32)  # acc_j[row, i]: channel 4i+j, rotated domain
@@ -559,6 +557,8 @@ def _decode_split_kernel_v3(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
         base = tl.load(bt_row + g).to(tl.int64) * page_bytes
         fb = base // 2
         kcs = f16_ptr + fb + K_CS // 2 + h * D + 2 * i2
+        qe = tl.load(qcol + 2 * i2[:, None], mask=rmask[None, :], other=0.0)  # [KB, G]: q^T, even channels
+        qo = tl.load(qcol + 2 * i2[:, None] + 1, mask=rmask[None, :], other=0.0)
         qse = qe * tl.load(kcs).to(tl.float32)[:, None]
         qso = qo * tl.load(kcs + 1).to(tl.float32)[:, None]
         qsum = tl.sum(qse, axis=0) + tl.sum(qso, axis=0)
