@@ -327,13 +327,13 @@ def _decode_check(kt, cache, q: torch.Tensor, kv, device: str, where: str, same_
     return res
 
 
-DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({}, id="v2"),
-                   pytest.param({"variant": "v3"}, id="v3"),
+DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"variant": "v2"}, id="v2"),
+                   pytest.param({}, id="v3"),
                    pytest.param({"variant": "v2", "precise": "k"}, id="v2-precise-k"),
                    pytest.param({"variant": "v2", "block_t": 32, "num_warps": 4}, id="v2-block32"),
                    pytest.param({"variant": "v3", "precise": "k", "unpack": "cvt", "block_t": 64, "num_warps": 4},
                                 id="v3-cvt-k-block64")]
-"""decode_attention's split kernels (and their knobs) that every decode check runs: v2 is the default; the first
+"""decode_attention's split kernels (and their knobs) that every decode check runs: v3 is the default; the first
 three are the three kernels at their defaults."""
 
 

@@ -44,6 +44,7 @@ the 4th), checkpoints 2, 4, 8.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -477,7 +478,8 @@ def main() -> int:
     ap.add_argument("--block-t", type=int, default=0,
                     help="decode kernel: tokens per inner tile (16 ... 128); 0 = the variant's default")
     ap.add_argument("--num-warps", type=int, default=0, help="decode kernel: warps per program; 0 = the variant's")
-    ap.add_argument("--variant", default="v2", help="decode split kernel: v2 (default) or v1 (kvarn_decode_sweep.py)")
+    ap.add_argument("--variant", default="", help="decode split kernel: v1, v2 or v3 (kvarn_decode_sweep.py); "
+                                                  "'' = decode_attention's default")
     ap.add_argument("--decode-checkpoints", default="128,512,2048,8192,32768",
                     help="long decode: steps at which to report (the last is the number of steps); '' skips it")
     ap.add_argument("--decode-prefill", type=int, default=1024, help="long decode: prefilled context tokens")
@@ -504,10 +506,12 @@ def main() -> int:
               file=sys.stderr)
         return 2
     kt = load_kernels(a.smoke)
+    a.variant = a.variant or inspect.signature(kt.decode_attention).parameters["variant"].default
     if a.variant not in kt.DECODE_DEFAULTS:
         ap.error(f"--variant {a.variant!r}: one of {sorted(kt.DECODE_DEFAULTS)}")
     a.block_t = a.block_t or kt.DECODE_DEFAULTS[a.variant][0]  # the record names the tiles that ran
     a.num_warps = a.num_warps or kt.DECODE_DEFAULTS[a.variant][1]
+    a.stages = kt.DECODE_DEFAULTS[a.variant][2]
     import torch
 
     if not a.smoke and not torch.cuda.is_available():
@@ -526,7 +530,7 @@ def main() -> int:
     copy_bps = copy_bandwidth(device, (16 << 20) if a.smoke else (2 << 30), a.warmup, a.iters)
     for length in time_lengths:
         rows += time_rows(kt, length, a.batch, device, a.warmup, a.iters, copy_bps,
-                          {"block_t": a.block_t, "num_warps": a.num_warps, "variant": a.variant})
+                          {"block_t": a.block_t, "num_warps": a.num_warps, "variant": a.variant, "stages": a.stages})
     decode_rows, decode_s = [], 0.0
     if checkpoints:
         t0 = time.perf_counter()

@@ -701,16 +701,17 @@ def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device) ->
     return gps, math.ceil(max_groups / gps)
 
 
-DECODE_DEFAULTS = {"v1": (32, 8), "v2": (128, 8), "v3": (128, 8)}
-"""Per decode variant: (block_t, num_warps) when the caller gives none. v2 at (128, 8) was the fastest exact config of
-bench/scripts/kvarn_decode_sweep.py on the H200 (2026-12-05, triton 3.6): 761.9 us at 8 x 32k against v1's 1,037.3."""
+DECODE_DEFAULTS = {"v1": (32, 8, None), "v2": (128, 8, None), "v3": (128, 8, 1)}
+"""Per decode variant: (block_t, num_warps, stages) when the caller gives none (stages None: Triton's default). v3 at
+(128, 8, 1) was the fastest config within the tests' bound of bench/scripts/kvarn_decode_sweep.py on an H100
+(2026-12-06, triton 3.6): 587.7 us at 8 x 32k against v2's 859.9 and v1's 997.2 in the same run."""
 
 
 def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, n_groups: torch.Tensor,
                      max_groups: int, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_len: torch.Tensor,
                      out: torch.Tensor | None = None, layout: PageLayout = MODEL_LAYOUT, rotated: bool = True,
                      splits: int | None = None, block_t: int | None = None, num_warps: int | None = None,
-                     variant: str = "v2", precise: str = "kv", tail_rows: torch.Tensor | None = None,
+                     variant: str = "v3", precise: str = "kv", tail_rows: torch.Tensor | None = None,
                      stages: int | None = None, unpack: str = "magic") -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
 
@@ -722,20 +723,22 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     rotated=False reads the plain-RTN layout (no query rotation).
     Launches: query rotation, split kernel (when any group is full), combine + tail, un-rotation.
 
-    variant: "v2" (the default; _decode_split_kernel_v2: one K and one V dot per tile, each x2 (fp16
-    hi + lo) where ``precise`` names it: "kv" (default), "k", "v" or ""; defaults block_t 128, 8 warps)
-    or "v1" (_decode_split_kernel: BLOCK_T-token tiles, 12 dots each; defaults block_t 32, 8 warps),
-    kept as the sweep's reference, or "v3" (_decode_split_kernel_v3: codes read as stored, K's as
-    the large dot operand, the query's per-group work once a group; defaults block_t 128, 8 warps;
-    ``unpack`` "magic" (default) or "cvt" says how a code becomes fp16).
+    variant: "v3" (the default; _decode_split_kernel_v3: codes read as stored, K's as the large dot
+    operand, the query's per-group work once a group; defaults block_t 128, 8 warps, 1 stage;
+    ``unpack`` "magic" (default) or "cvt" says how a code becomes fp16), "v2"
+    (_decode_split_kernel_v2: one K and one V dot per tile on codes gathered into a permuted channel
+    order; defaults block_t 128, 8 warps) or "v1" (_decode_split_kernel: BLOCK_T-token tiles, 12
+    dots each, always hi + lo; defaults block_t 32, 8 warps), kept as the sweep's references. v2's
+    and v3's dots are x2 (fp16 hi + lo) where ``precise`` names it: "kv" (default), "k", "v" or "".
     splits, block_t (a power of two dividing 128), num_warps, stages (the launch's num_stages: how
-    deep Triton pipelines the innermost loop; its default when None) and precise are tuning knobs;
+    deep Triton pipelines the innermost loop; None: Triton's default) and precise are tuning knobs;
     the combine kernel and the outputs' meaning are the same.
     """
     if variant not in DECODE_DEFAULTS:
         raise ValueError(f"variant {variant!r}: one of {sorted(DECODE_DEFAULTS)}")
     block_t = block_t or DECODE_DEFAULTS[variant][0]
     num_warps = num_warps or DECODE_DEFAULTS[variant][1]
+    stages = stages if stages is not None else DECODE_DEFAULTS[variant][2]
     if block_t < 16 or layout.group % block_t or block_t & (block_t - 1):
         raise ValueError(f"block_t {block_t}: a power of two >= 16 dividing {layout.group}")
     if unpack not in ("magic", "cvt"):
