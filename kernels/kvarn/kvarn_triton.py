@@ -513,6 +513,19 @@ def _code(raw, SHIFT: tl.constexpr, MASK: tl.constexpr, MAGIC: tl.constexpr):
 
 
 @triton.jit
+def _crumb_update(acc, vraw, J: tl.constexpr, a_hi, a_lo, alpha, tmax, off, vcs, MAGIC: tl.constexpr,
+                  PRECISE_V: tl.constexpr):
+    """One of v3's four V accumulators [rows, D/4] (channels 4i+J) after a tile: rescaled by alpha, plus
+    (p ts) @ crumb J of the tile's V bytes (x2 hi + lo with PRECISE_V), times tmax, plus the offsets' sum,
+    times V's channel scales."""
+    c = _code(vraw, 2 * J, 3, MAGIC)
+    pv = tl.dot(a_hi, c, out_dtype=tl.float32)
+    if PRECISE_V:
+        pv += tl.dot(a_lo, c, out_dtype=tl.float32)
+    return acc * alpha[:, None] + (pv * tmax + off) * vcs
+
+
+@triton.jit
 def _decode_split_kernel_v3(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_ptr, ml_ptr, page_bytes, gps,
                             K_CODES: tl.constexpr, K_TS: tl.constexpr, K_TO: tl.constexpr, K_CS: tl.constexpr,
                             V_CODES: tl.constexpr, V_TS: tl.constexpr, V_TO: tl.constexpr, V_CS: tl.constexpr,
@@ -600,26 +613,10 @@ def _decode_split_kernel_v3(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
             a_hi = pa.to(tl.float16)
             a_lo = (pa - a_hi.to(tl.float32)).to(tl.float16)
             off = tl.sum(p * tov[:, None], axis=0)[:, None]
-            c0 = _code(vraw, 0, 3, MAGIC)
-            pv0 = tl.dot(a_hi, c0, out_dtype=tl.float32)
-            if PRECISE_V:
-                pv0 += tl.dot(a_lo, c0, out_dtype=tl.float32)
-            acc0 = acc0 * alpha[:, None] + (pv0 * tmax + off) * vcs0
-            c1 = _code(vraw, 2, 3, MAGIC)
-            pv1 = tl.dot(a_hi, c1, out_dtype=tl.float32)
-            if PRECISE_V:
-                pv1 += tl.dot(a_lo, c1, out_dtype=tl.float32)
-            acc1 = acc1 * alpha[:, None] + (pv1 * tmax + off) * vcs1
-            c2 = _code(vraw, 4, 3, MAGIC)
-            pv2 = tl.dot(a_hi, c2, out_dtype=tl.float32)
-            if PRECISE_V:
-                pv2 += tl.dot(a_lo, c2, out_dtype=tl.float32)
-            acc2 = acc2 * alpha[:, None] + (pv2 * tmax + off) * vcs2
-            c3 = _code(vraw, 6, 3, MAGIC)
-            pv3 = tl.dot(a_hi, c3, out_dtype=tl.float32)
-            if PRECISE_V:
-                pv3 += tl.dot(a_lo, c3, out_dtype=tl.float32)
-            acc3 = acc3 * alpha[:, None] + (pv3 * tmax + off) * vcs3
+            acc0 = _crumb_update(acc0, vraw, 0, a_hi, a_lo, alpha, tmax, off, vcs0, MAGIC, PRECISE_V)
+            acc1 = _crumb_update(acc1, vraw, 1, a_hi, a_lo, alpha, tmax, off, vcs1, MAGIC, PRECISE_V)
+            acc2 = _crumb_update(acc2, vraw, 2, a_hi, a_lo, alpha, tmax, off, vcs2, MAGIC, PRECISE_V)
+            acc3 = _crumb_update(acc3, vraw, 3, a_hi, a_lo, alpha, tmax, off, vcs3, MAGIC, PRECISE_V)
     slot = ((s * HQ + h * QPK + rows) * NSPLIT + j).to(tl.int64)
     out = o_ptr + slot[:, None] * D + 4 * i4[None, :]
     tl.store(out, acc0, mask=rmask[:, None])
