@@ -326,6 +326,23 @@ def _dot2(a_hi, a_lo, b):
 
 
 @triton.jit
+def _split_program(ngroups_ptr, gps, BLOCK_G: tl.constexpr, QPK: tl.constexpr):
+    """A decode split program's place: (sequence, KV head, split, query rows, which rows are real, first group,
+    end group) — its groups are [j * gps, min((j + 1) * gps, n_groups[s]))."""
+    s = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_G)
+    g0 = tl.program_id(2) * gps
+    return s, tl.program_id(1), tl.program_id(2), rows, rows < QPK, g0, tl.minimum(g0 + gps, tl.load(ngroups_ptr + s))
+
+
+@triton.jit
+def _store_ml(ml_ptr, slot, m_i, l_i, rmask):
+    """A split's running max and sum per query row, (m, l) pairs in ml [S, HQ, NSPLIT, 2]."""
+    tl.store(ml_ptr + slot * 2, m_i, mask=rmask)
+    tl.store(ml_ptr + slot * 2 + 1, l_i, mask=rmask)
+
+
+@triton.jit
 def _decode_split_kernel(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_ptr, ml_ptr, page_bytes, gps,
                          K_CODES: tl.constexpr, K_TS: tl.constexpr, K_TO: tl.constexpr, K_CS: tl.constexpr,
                          V_CODES: tl.constexpr, V_TS: tl.constexpr, V_TO: tl.constexpr, V_CS: tl.constexpr,
@@ -339,12 +356,8 @@ def _decode_split_kernel(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr
     four [BLOCK_G, D/4] parts (channels 4i+j, the 2-bit crumb order) so codes are never re-interleaved.
     Writes unnormalized acc to o [S, HQ, NSPLIT, D] and (m, l) to ml [S, HQ, NSPLIT, 2].
     """
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    j = tl.program_id(2)
+    s, h, j, rows, rmask, g0, g1 = _split_program(ngroups_ptr, gps, BLOCK_G, QPK)
     HQ: tl.constexpr = HKV * QPK
-    rows = tl.arange(0, BLOCK_G)
-    rmask = rows < QPK
     qrow = qr_ptr + (s * HQ + h * QPK + rows).to(tl.int64)[:, None] * D
     half = tl.arange(0, D // 2)
     quarter = tl.arange(0, D // 4)
@@ -357,8 +370,6 @@ def _decode_split_kernel(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr
     acc2 = tl.zeros([BLOCK_G, D // 4], tl.float32)
     acc3 = tl.zeros([BLOCK_G, D // 4], tl.float32)
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
-    g0 = j * gps
-    g1 = tl.minimum(g0 + gps, tl.load(ngroups_ptr + s))
     for g in range(g0, g1):
         base = tl.load(bt_row + g).to(tl.int64) * page_bytes
         fb = base // 2
@@ -405,8 +416,7 @@ def _decode_split_kernel(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr
     tl.store(out + 1, acc1, mask=rmask[:, None])
     tl.store(out + 2, acc2, mask=rmask[:, None])
     tl.store(out + 3, acc3, mask=rmask[:, None])
-    tl.store(ml_ptr + slot * 2, m_i, mask=rmask)
-    tl.store(ml_ptr + slot * 2 + 1, l_i, mask=rmask)
+    _store_ml(ml_ptr, slot, m_i, l_i, rmask)
 
 
 @triton.jit
@@ -428,14 +438,10 @@ def _decode_split_kernel_v2(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
     PRECISE_K / PRECISE_V split the fp16 operand q' / p*ts into hi + lo (v1's ~22-bit precision, two
     dots); without, one fp16 dot (~11 bits: faster, less exact; both off misses the tests' 1e-3 bound).
     """
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    j = tl.program_id(2)
+    s, h, j, rows, rmask, g0, g1 = _split_program(ngroups_ptr, gps, BLOCK_G, QPK)
     HQ: tl.constexpr = HKV * QPK
     KB: tl.constexpr = D // 2
     VB: tl.constexpr = D // 4
-    rows = tl.arange(0, BLOCK_G)
-    rmask = rows < QPK
     r = tl.arange(0, D)
     kch = 2 * (r % KB) + r // KB  # K: packed row -> channel
     kbyte = r % KB
@@ -449,8 +455,6 @@ def _decode_split_kernel_v2(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
-    g0 = j * gps
-    g1 = tl.minimum(g0 + gps, tl.load(ngroups_ptr + s))
     tt = tl.arange(0, BLOCK_T)
     for g in range(g0, g1):
         base = tl.load(bt_row + g).to(tl.int64) * page_bytes
@@ -494,8 +498,7 @@ def _decode_split_kernel_v2(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
             acc = acc * alpha[:, None] + (pv * tmax + off[:, None]) * vcs[None, :]
     slot = ((s * HQ + h * QPK + rows) * NSPLIT + j).to(tl.int64)
     tl.store(o_ptr + slot[:, None] * D + vch[None, :], acc, mask=rmask[:, None])
-    tl.store(ml_ptr + slot * 2, m_i, mask=rmask)
-    tl.store(ml_ptr + slot * 2 + 1, l_i, mask=rmask)
+    _store_ml(ml_ptr, slot, m_i, l_i, rmask)
 
 
 @triton.jit
@@ -545,14 +548,10 @@ def _decode_split_kernel_v3(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
     H100, 2026-12-06). The codes go from memory to the tensor cores with one unpack (MAGIC: no
     int -> float conversion). o/ml are exactly v1's, for the same combine kernel.
     """
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    j = tl.program_id(2)
+    s, h, j, rows, rmask, g0, g1 = _split_program(ngroups_ptr, gps, BLOCK_G, QPK)
     HQ: tl.constexpr = HKV * QPK
     KB: tl.constexpr = D // 2
     VB: tl.constexpr = D // 4
-    rows = tl.arange(0, BLOCK_G)
-    rmask = rows < QPK
     i2 = tl.arange(0, KB)
     i4 = tl.arange(0, VB)
     tt = tl.arange(0, BLOCK_T)
@@ -564,8 +563,6 @@ def _decode_split_kernel_v3(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
     acc2 = tl.zeros([BLOCK_G, VB], tl.float32)
     acc3 = tl.zeros([BLOCK_G, VB], tl.float32)
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
-    g0 = j * gps
-    g1 = tl.minimum(g0 + gps, tl.load(ngroups_ptr + s))
     for g in range(g0, g1):
         base = tl.load(bt_row + g).to(tl.int64) * page_bytes
         fb = base // 2
@@ -623,8 +620,7 @@ def _decode_split_kernel_v3(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
     tl.store(out + 1, acc1, mask=rmask[:, None])
     tl.store(out + 2, acc2, mask=rmask[:, None])
     tl.store(out + 3, acc3, mask=rmask[:, None])
-    tl.store(ml_ptr + slot * 2, m_i, mask=rmask)
-    tl.store(ml_ptr + slot * 2 + 1, l_i, mask=rmask)
+    _store_ml(ml_ptr, slot, m_i, l_i, rmask)
 
 
 @triton.jit
