@@ -24,6 +24,8 @@ Kernels and why each exists:
   the rotated query, so a token's score is token_scale * (q' . codes) + token_offset * sum(q');
   P.V is accumulated in the rotated domain (channel_scale * (sum p*ts*codes + sum p*to)) and
   un-rotated once at the end.
+  ``_decode_split_kernel_v2`` / ``_v3`` are faster forms of the same math (v3, the default, reads the
+  codes as stored and puts K's on the tensor cores' large operand; docs/kvarn.md has their sweep).
 * ``_decode_combine_kernel``: attends over the unquantized tail (the newest < 128 tokens, fp32
   math) and merges it with the splits' (max, sum, acc) into the rotated and plain parts.
 * ``_dequant_kernel``: packed page -> rotated fp32 values (then ``_rotate_kernel`` -> fp16/bf16).
@@ -535,18 +537,18 @@ def _decode_split_kernel_v3(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
                             HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
                             NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
                             PRECISE_K: tl.constexpr, PRECISE_V: tl.constexpr, MAGIC: tl.constexpr):
-    """_decode_split_kernel's math with the codes as the tensor cores' large operand, read as stored.
+    """_decode_split_kernel's math on codes read as stored, K's as the tensor cores' large operand.
 
     Tiles of BLOCK_T tokens, unrolled inside a group (the query's channel-scale work is once a
     group), so the loop over groups is the innermost loop, the one Triton software-pipelines (the
-    launch's num_stages). Codes are loaded in their stored
-    order with wide loads and never re-ordered: K's bytes [T, D/2] give the even (low nibble) and odd
-    (high nibble) channels as the large operand, and the scores come out transposed, s^T [T, rows] =
-    lo @ q'_even^T + hi @ q'_odd^T; V's bytes [T, D/4] give channels 4i+j from crumb j, as v1 does,
-    acc_j [rows, D/4] += (p ts) @ crumb_j (V's codes as the large operand, [D/4, T] @ [T, rows],
-    compiled to a shared-memory read out of bounds with triton 3.6 on sm90: compute-sanitizer,
-    H100, 2026-12-06). The codes go from memory to the tensor cores with one unpack (MAGIC: no
-    int -> float conversion). o/ml are exactly v1's, for the same combine kernel.
+    launch's num_stages). Codes are loaded in their stored order with wide loads and never
+    re-ordered: K's bytes [T, D/2] give the even (low nibble) and odd (high nibble) channels as the
+    large operand, and the scores come out transposed, s^T [T, rows] = lo @ q'_even^T + hi @ q'_odd^T;
+    V's bytes [T, D/4] give channels 4i+j from crumb j, as v1 does, acc_j [rows, D/4] += (p ts) @
+    crumb_j (V's codes as the large operand, [D/4, T] @ [T, rows], compiled to a shared-memory read
+    out of bounds with triton 3.6 on sm90: compute-sanitizer, H100, 2026-12-06). The codes go from
+    memory to the tensor cores with one unpack (MAGIC: no int -> float conversion). o/ml are exactly
+    v1's, for the same combine kernel.
     """
     s, h, j, rows, rmask, g0, g1 = _split_program(ngroups_ptr, gps, BLOCK_G, QPK)
     HQ: tl.constexpr = HKV * QPK
