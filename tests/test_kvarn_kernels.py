@@ -332,15 +332,23 @@ DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"vari
                    pytest.param({"variant": "v2", "precise": "k"}, id="v2-precise-k"),
                    pytest.param({"variant": "v2", "block_t": 32, "num_warps": 4}, id="v2-block32"),
                    pytest.param({"variant": "v3", "precise": "k", "unpack": "cvt", "block_t": 64, "num_warps": 4},
-                                id="v3-cvt-k-block64")]
+                                id="v3-cvt-k-block64"),
+                   pytest.param({"variant": "v3", "unpack": "ptx"}, id="v3-ptx")]
 """decode_attention's split kernels (and their knobs) that every decode check runs: v3 is the default; the first
-three are the three kernels at their defaults."""
+three are the three kernels at their defaults. unpack "ptx" is inline PTX: compiled (CUDA) runs only."""
+
+
+def _skip_ptx_in_interpreter(device: str, variant: dict) -> None:
+    """The interpreter cannot run inline PTX (decode_attention refuses it on CPU tensors, checked below)."""
+    if device == "cpu" and variant.get("unpack") == "ptx":
+        pytest.skip("unpack 'ptx' is inline PTX: Triton's interpreter cannot run it (compiled CUDA runs check it)")
 
 
 @pytest.mark.parametrize("variant", DECODE_VARIANTS)
 def test_decode_matches_attention_over_the_dequantized_cache(dev, variant):
     """Lengths 300 (2 groups + 44 tail), 77 (tail only), 384 (3 groups, empty tail); 2 splits; token-by-token writes."""
     kt, device = dev
+    _skip_ptx_in_interpreter(device, variant)
     seed = _fresh_seed()
     cache, q, kv = _build(kt, [300, 77, 384], seed, device, pieces=True)
     assert cache.host_groups == [2, 0, 3] and cache.host_tail == [44, 77, 0]
@@ -386,13 +394,16 @@ def test_decode_v2_v3_match_v1_and_reject_bad_knobs(dev):
     v1 = cache.decode(q, variant="v1", splits=3).float()
     for kw in ({"block_t": 32, "splits": 1}, {"block_t": 64, "splits": 4, "num_warps": 8}, {"block_t": 16},
                {"variant": "v3", "splits": 1}, {"variant": "v3", "splits": 4, "unpack": "cvt", "stages": 2},
-               {"variant": "v3", "num_warps": 4, "stages": 3}, {"variant": "v3", "block_t": 32, "precise": "kv"}):
+               {"variant": "v3", "num_warps": 4, "stages": 3}, {"variant": "v3", "block_t": 32, "precise": "kv"},
+               *([{"variant": "v3", "unpack": "ptx"}, {"variant": "v3", "unpack": "ptx", "stages": 2, "splits": 2}]
+                 if device == "cuda" else [])):
         got = cache.decode(q, **{"variant": "v2", **kw}).float()
         rel = ((got - v1).norm() / v1.norm()).item()
         assert rel <= 1e-5, f"{kw} vs v1: rel {rel}, seed {seed}"
     for bad, name in (({"variant": "v4"}, "variant"), ({"variant": "v2", "block_t": 48}, "block_t"),
                       ({"variant": "v3", "block_t": 8}, "block_t"), ({"variant": "v3", "unpack": "int"}, "unpack"),
-                      ({"stages": 0}, "stages")):
+                      ({"stages": 0}, "stages"), ({"variant": "v2", "unpack": "cvt"}, "v3 knob"),
+                      *([({"unpack": "ptx"}, "CUDA tensors only")] if device == "cpu" else [])):
         with pytest.raises(ValueError, match=name):
             cache.decode(q, **bad)
 

@@ -44,7 +44,6 @@ the 4th), checkpoints 2, 4, 8.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -506,7 +505,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     kt = load_kernels(a.smoke)
-    a.variant = a.variant or inspect.signature(kt.decode_attention).parameters["variant"].default
+    a.variant = a.variant or kt.DEFAULT_VARIANT
     if a.variant not in kt.DECODE_DEFAULTS:
         ap.error(f"--variant {a.variant!r}: one of {sorted(kt.DECODE_DEFAULTS)}")
     a.block_t = a.block_t or kt.DECODE_DEFAULTS[a.variant][0]  # the record names the tiles that ran

@@ -58,10 +58,11 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
                 PRECISE_V="v" in pk), {"num_warps": w})
           for bt, w, pk in ((32, 4, "kv"), (64, 4, "kv"), (64, 8, "kv"), (128, 4, "kv"), (128, 8, "kv"),
                             (128, 16, "kv"), (64, 8, "k"), (128, 8, "k"), (128, 16, "k"))],
-        *[(f"decode split v3 t{bt} w{w} s{st} {pk or 'fp16'} {'magic' if mg else 'cvt'}", kt._decode_split_kernel_v3,
+        *[(f"decode split v3 t{bt} w{w} s{st} {pk or 'fp16'} {('cvt', 'magic', 'ptx')[mg]}", kt._decode_split_kernel_v3,
            split, dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=16, BLOCK_G=16, BLOCK_T=bt, PRECISE_K="k" in pk,
                        PRECISE_V="v" in pk, MAGIC=mg), {"num_warps": w, "num_stages": st})
           for bt, w, st, pk, mg in ((128, 4, 3, "kv", True), (128, 8, 3, "kv", True), (128, 8, 1, "kv", True),
+                                    (128, 8, 1, "kv", 2), (128, 8, 1, "", 2),
                                     (128, 8, 3, "kv", False), (128, 8, 3, "k", True), (64, 8, 3, "kv", True),
                                     (64, 4, 3, "kv", True), (32, 4, 3, "kv", True))],
         ("decode combine", kt._decode_combine_kernel, combine, dict(HKV=4, QPK=6, D=256, T=128, NSPLIT=33,
@@ -72,13 +73,18 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
 
 def entries(kt, targets: list[int]) -> Iterator[dict]:
     """specs() for each target as aot_specs()-shaped entries (what rig.kernels.build.compile_check compiles), with
-    16-byte-aligned pointers (what the JIT assumes for torch tensors)."""
+    16-byte-aligned pointers (what the JIT assumes for torch tensors) and page_bytes known to be a multiple of 16
+    (the JIT specializes an integer argument so: without it the page's code loads compile to byte loads, 96 of
+    them a tile in the v3 split kernel on sm90, against 6 16-byte loads)."""
     for target in targets:
         for label, kernel, types, constexprs, options in specs(kt):
             names = list(inspect.signature(kernel.fn).parameters)
             sig = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
+            attrs = kbuild.pointer_attrs(sig)
+            if "page_bytes" in sig and kt.MODEL_LAYOUT.page_bytes % 16 == 0:  # the JIT specializes it so
+                attrs[(names.index("page_bytes"),)] = [["tt.divisibility", 16]]
             yield {"name": label, "fn": kernel, "signature": sig, "constexprs": constexprs,
-                   "attrs": kbuild.pointer_attrs(sig), "options": options, "target": target, "arch": f"sm{target}"}
+                   "attrs": attrs, "options": options, "target": target, "arch": f"sm{target}"}
 
 
 def main() -> int:

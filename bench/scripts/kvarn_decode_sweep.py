@@ -36,11 +36,14 @@ CONFIGS = [BASELINE] + [
         {}, {"num_warps": 4}, {"num_warps": 16}, {"stages": 3}, {"stages": 2}, {"stages": 4},
         {"unpack": "cvt"}, {"precise": "k"}, {"precise": ""}, {"splits": 8}, {"splits": 32}, {"splits": 64},
         {"precise": "k", "num_warps": 4}, {"precise": "k", "unpack": "cvt", "num_warps": 4},
-        {"block_t": 64}, {"block_t": 64, "num_warps": 4}, {"block_t": 32, "num_warps": 4})
+        {"block_t": 64}, {"block_t": 64, "num_warps": 4}, {"block_t": 32, "num_warps": 4},
+        {"unpack": "ptx"}, {"unpack": "ptx", "stages": 2}, {"unpack": "ptx", "precise": "k"},
+        {"unpack": "ptx", "precise": ""})
 ]
-"""20 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
+"""24 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
 were slower there), and v3 (codes read as stored, K's as the large dot operand) at its defaults (block_t 128,
-8 warps, 1 stage, "magic" unpack, precise "kv") and one or two knobs changed at a time (stages 3 is Triton's
+8 warps, 1 stage, "magic" unpack, precise "kv") and one or two knobs changed at a time (unpack "ptx": the
+magic number four codes at a time in inline PTX, 2026-12-06) (stages 3 is Triton's
 default pipelining). precise "kv" is v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed
 ceiling)."""
 SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
