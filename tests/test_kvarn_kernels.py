@@ -395,14 +395,16 @@ def test_decode_v2_v3_match_v1_and_reject_bad_knobs(dev):
     for kw in ({"block_t": 32, "splits": 1}, {"block_t": 64, "splits": 4, "num_warps": 8}, {"block_t": 16},
                {"variant": "v3", "splits": 1}, {"variant": "v3", "splits": 4, "unpack": "cvt", "stages": 2},
                {"variant": "v3", "num_warps": 4, "stages": 3}, {"variant": "v3", "block_t": 32, "precise": "kv"},
-               *([{"variant": "v3", "unpack": "ptx"}, {"variant": "v3", "unpack": "ptx", "stages": 2, "splits": 2}]
+               *([{"variant": "v3", "unpack": "ptx"}, {"variant": "v3", "unpack": "ptx", "stages": 2, "splits": 2},
+                  {"variant": "v3", "maxnreg": 128}, {"variant": "v3", "maxnreg": 128, "unpack": "ptx"}]
                  if device == "cuda" else [])):
         got = cache.decode(q, **{"variant": "v2", **kw}).float()
         rel = ((got - v1).norm() / v1.norm()).item()
         assert rel <= 1e-5, f"{kw} vs v1: rel {rel}, seed {seed}"
     for bad, name in (({"variant": "v4"}, "variant"), ({"variant": "v2", "block_t": 48}, "block_t"),
                       ({"variant": "v3", "block_t": 8}, "block_t"), ({"variant": "v3", "unpack": "int"}, "unpack"),
-                      ({"stages": 0}, "stages"), ({"variant": "v2", "unpack": "cvt"}, "v3 knob"),
+                      ({"stages": 0}, "stages"), ({"maxnreg": 16}, "maxnreg"),
+                      ({"variant": "v2", "unpack": "cvt"}, "v3 knob"),
                       *([({"unpack": "ptx"}, "CUDA tensors only")] if device == "cpu" else [])):
         with pytest.raises(ValueError, match=name):
             cache.decode(q, **bad)

@@ -30,6 +30,13 @@ def load_kernels():
     return load_file(ROOT / "kernels/kvarn/kvarn_triton.py", "rig_kernel_kvarn_triton")
 
 
+V3_CASES = [(128, 4, 3, "kv", 1, 0), (128, 8, 3, "kv", 1, 0), (128, 8, 1, "kv", 1, 0), (128, 8, 1, "kv", 2, 0),
+            (128, 8, 1, "", 2, 0), (128, 8, 1, "kv", 1, 128), (128, 8, 1, "kv", 2, 128), (128, 8, 3, "kv", 0, 0),
+            (128, 8, 3, "k", 1, 0), (64, 8, 3, "kv", 1, 0), (64, 4, 3, "kv", 1, 0), (64, 4, 1, "kv", 1, 128),
+            (32, 4, 3, "kv", 1, 0)]
+"""v3 split kernels checked: (block_t, warps, stages, precise, MAGIC (0 cvt, 1 magic, 2 ptx), maxnreg (0: none))."""
+
+
 def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
     """(label, kernel, argument types, constexprs, options): what the entry points launch for this model."""
     lay, r = kt.MODEL_LAYOUT, kt.reference
@@ -58,13 +65,11 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
                 PRECISE_V="v" in pk), {"num_warps": w})
           for bt, w, pk in ((32, 4, "kv"), (64, 4, "kv"), (64, 8, "kv"), (128, 4, "kv"), (128, 8, "kv"),
                             (128, 16, "kv"), (64, 8, "k"), (128, 8, "k"), (128, 16, "k"))],
-        *[(f"decode split v3 t{bt} w{w} s{st} {pk or 'fp16'} {('cvt', 'magic', 'ptx')[mg]}", kt._decode_split_kernel_v3,
-           split, dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=16, BLOCK_G=16, BLOCK_T=bt, PRECISE_K="k" in pk,
-                       PRECISE_V="v" in pk, MAGIC=mg), {"num_warps": w, "num_stages": st})
-          for bt, w, st, pk, mg in ((128, 4, 3, "kv", True), (128, 8, 3, "kv", True), (128, 8, 1, "kv", True),
-                                    (128, 8, 1, "kv", 2), (128, 8, 1, "", 2),
-                                    (128, 8, 3, "kv", False), (128, 8, 3, "k", True), (64, 8, 3, "kv", True),
-                                    (64, 4, 3, "kv", True), (32, 4, 3, "kv", True))],
+        *[(f"decode split v3 t{bt} w{w} s{st} {pk or 'fp16'} {('cvt', 'magic', 'ptx')[mg]}{f' r{reg}' if reg else ''}",
+           kt._decode_split_kernel_v3, split,
+           dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=16, BLOCK_G=16, BLOCK_T=bt, PRECISE_K="k" in pk,
+                PRECISE_V="v" in pk, MAGIC=mg), {"num_warps": w, "num_stages": st, **({"maxnreg": reg} if reg else {})})
+          for bt, w, st, pk, mg, reg in V3_CASES],
         ("decode combine", kt._decode_combine_kernel, combine, dict(HKV=4, QPK=6, D=256, T=128, NSPLIT=33,
                                                                    NSPLIT_P2=64, TAIL_T=16, TAIL_ROWS=True),
          {"num_warps": 4}),

@@ -747,7 +747,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                      out: torch.Tensor | None = None, layout: PageLayout = MODEL_LAYOUT, rotated: bool = True,
                      splits: int | None = None, block_t: int | None = None, num_warps: int | None = None,
                      variant: str = DEFAULT_VARIANT, precise: str = "kv", tail_rows: torch.Tensor | None = None,
-                     stages: int | None = None, unpack: str = DEFAULT_UNPACK) -> torch.Tensor:
+                     stages: int | None = None, unpack: str = DEFAULT_UNPACK,
+                     maxnreg: int | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
 
     q [S, HQ, D]; block_table int32 [S, >= max_groups] (page of each full group); n_groups, tail_len
@@ -766,7 +767,9 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     dots each, always hi + lo; defaults block_t 32, 8 warps), kept as the sweep's references. v2's
     and v3's dots are x2 (fp16 hi + lo) where ``precise`` names it: "kv" (default), "k", "v" or "".
     splits, block_t (a power of two dividing 128), num_warps, stages (the launch's num_stages: how
-    deep Triton pipelines the innermost loop; None: Triton's default) and precise are tuning knobs;
+    deep Triton pipelines the innermost loop; None: Triton's default), maxnreg (the split kernel's
+    register cap per thread, None: ptxas's choice; a cap under the kernel's need spills to local
+    memory but lets more programs share an SM) and precise are tuning knobs;
     the combine kernel and the outputs' meaning are the same.
     """
     if variant not in DECODE_DEFAULTS:
@@ -782,6 +785,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         raise ValueError(f"unpack {unpack!r} is a v3 knob; variant {variant!r} unpacks its own way (leave unpack out)")
     if UNPACKS[unpack] == 2 and q.device.type != "cuda":
         raise ValueError(f"unpack {unpack!r} is inline PTX: CUDA tensors only (q is on {q.device}); use 'magic'")
+    if maxnreg is not None and not 32 <= maxnreg <= 255:
+        raise ValueError(f"maxnreg {maxnreg}: registers per thread, 32 ... 255, or None for ptxas's own choice")
     if stages is not None and stages < 1:
         raise ValueError(f"stages {stages}: a positive number of pipeline stages, or None for Triton's default")
     s_, hq, d = q.shape
@@ -812,6 +817,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
             kw["MAGIC"] = UNPACKS[unpack]
         if stages is not None:
             kw["num_stages"] = stages
+        if maxnreg is not None:
+            kw["maxnreg"] = maxnreg
         kernel[(s_, hkv, nsplit)](qr, pool, pool.view(torch.float16), block_table, block_table.stride(0), n_groups,
                                   o_part, ml, lay.page_bytes, gps, **kw)
     rot = torch.empty(s_, hq, d, dtype=torch.float32, device=q.device)
