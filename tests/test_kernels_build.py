@@ -28,7 +28,7 @@ import pytest
 
 from rig import paths
 from rig.kernels import build as kbuild
-from rig.kernels import manifest, toolchain
+from rig.kernels import load_file, manifest, toolchain
 from rig.kernels import spec as kspec
 from rig.plan import resolve
 
@@ -168,6 +168,12 @@ TOY_TRITON = textwrap.dedent('''\
         tl.store(C + m[:, None] * BN + n[None, :], acc)
 
 
+    @triton.jit
+    def byte_copy(src, dst, off, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(dst + i, tl.load(src + off + i))
+
+
     TILE = {TILE}
     DEPTH = {DEPTH}
     STAGES = {STAGES}
@@ -272,6 +278,27 @@ def test_a_triton_kernel_too_big_for_the_3090s_shared_memory_is_refused(tmp_path
     with pytest.raises(kbuild.BuildError, match=r"toy_matmul_sm86 needs \d+ bytes of shared memory; sm86 allows "
                                                 r"101376 per block"):
         kbuild.build("toy-triton", kernels_root=tmp_path, build_root=tmp_path / "out")
+
+
+@needs_triton
+def test_compile_check_reports_registers_and_an_instruction_mix_that_tells_byte_loads_from_wide_ones(tmp_path):
+    """The toy matmul compiled for sm86 and sm90 without a GPU: ptxas's registers, and a SASS mix with its tensor-core
+    instructions; a byte copy whose offset is not known to be a multiple of 16 loads bytes one at a time, the same copy
+    with the offset declared divisible by 16 loads 16 at a time (what the KVarN compile check's page_bytes is for)."""
+    mod = load_file(_toy_triton(tmp_path) / "toy.py", "rig_test_toy_sass")
+    checks = list(kbuild.compile_check(mod.aot_specs(), sass=True))
+    assert [c.arch for c in checks] == ["sm86", "sm90"] and not any(c.error for c in checks)
+    for c in checks:
+        assert "registers" in c.ptxas and c.sass.get("HMMA.16816.F32", 0) > 0, (c.arch, c.ptxas, c.sass)
+        assert c.sass_summary().startswith(f"{sum(c.sass.values())} instructions: ") and "LDG" in c.sass_summary()
+    sig = {"src": "*u8", "dst": "*u8", "off": "i32", "N": "constexpr"}
+    base = {"fn": mod.byte_copy, "signature": sig, "constexprs": {"N": 512}, "options": {"num_warps": 1},
+            "arch": "sm90", "target": 90, "name": "copy"}
+    aligned = {**base, "attrs": {**kbuild.pointer_attrs(sig), (2,): [["tt.divisibility", 16]]}}
+    plain, wide = (c.sass for c in kbuild.compile_check([{**base, "attrs": kbuild.pointer_attrs(sig)}, aligned],
+                                                          sass=True))
+    assert plain.get("LDG.E.U8", 0) == 16 and "LDG.E.128" not in plain, plain  # 16 bytes a thread
+    assert wide.get("LDG.E.128", 0) >= 1 and "LDG.E.U8" not in wide, wide
 
 
 # ----------------------------------------------------------------------------- kernel.toml

@@ -7,7 +7,10 @@ run: a kernel that does not compile for an arch, spills, or needs more shared me
 arch has (sm86: 99 KiB per block, sm90: 227 KiB). CPU work only (about a minute on 2 cores). The
 compile loop is rig.kernels.build.compile_check, the one the int8 attention's report uses.
 
-    python bench/scripts/kvarn_compile_check.py [--arch 86,90]
+    python bench/scripts/kvarn_compile_check.py [--arch 86,90] [--only LABEL] [--sass]
+
+--sass adds each kernel's SASS instruction mix (rig.kernels.build.sass_mix: static counts; the split kernels'
+work is one loop, so about one iteration's mix): where the instructions go, without a GPU.
 """
 
 from __future__ import annotations
@@ -96,21 +99,25 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="86,90", help="compute capabilities, e.g. 86,90")
     ap.add_argument("--only", default="", help="only the kernels whose label contains this, e.g. 'decode split'")
+    ap.add_argument("--sass", action="store_true", help="also each kernel's SASS instruction mix (cuobjdump)")
     a = ap.parse_args()
     kt = load_kernels()
     import triton
 
     print(f"KVarN kernels compiled without a GPU, triton {triton.__version__}")
-    print("\n| kernel | arch | shared bytes | within the arch's shared memory | ptxas |\n|---|---|---:|---|---|")
+    sass_col = (" SASS instruction mix |", "---|") if a.sass else ("", "")
+    print(f"\n| kernel | arch | shared bytes | within the arch's shared memory | ptxas |{sass_col[0]}\n"
+          f"|---|---|---:|---|---|{sass_col[1]}")
     bad = 0
     chosen = (e for e in entries(kt, [int(x) for x in a.arch.split(",")]) if a.only in e["name"])
-    for c in kbuild.compile_check(chosen):
+    for c in kbuild.compile_check(chosen, sass=a.sass):
         if c.error:
             bad += 1
             print(f"| {c.name} | {c.arch} | - | - | FAILED: {c.error} |")
             continue
         bad += not c.fits
-        print(f"| {c.name} | {c.arch} | {c.shared_bytes:,} | {'yes' if c.fits else 'NO'} | {c.ptxas} |")
+        mix = f" {c.sass_summary()} |" if a.sass else ""
+        print(f"| {c.name} | {c.arch} | {c.shared_bytes:,} | {'yes' if c.fits else 'NO'} | {c.ptxas} |{mix}")
     return 1 if bad else 0
 
 

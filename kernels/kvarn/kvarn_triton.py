@@ -465,10 +465,7 @@ def _decode_split_kernel_v2(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
         qsum = tl.sum(qs, axis=1)
         amax = tl.max(tl.abs(qs), axis=1)
         amax = tl.where(amax > 0, amax, 1.0)
-        qn = qs / amax[:, None]
-        q_hi = qn.to(tl.float16)
-        if PRECISE_K:
-            q_lo = (qn - q_hi.to(tl.float32)).to(tl.float16)
+        q_hi, q_lo = _split16(qs / amax[:, None])  # q_lo unused (and not computed) without PRECISE_K
         vcs = tl.load(f16_ptr + fb + V_CS // 2 + h * D + vch).to(tl.float32)
         for t0 in tl.static_range(0, T, BLOCK_T):
             t = t0 + tt
@@ -491,11 +488,10 @@ def _decode_split_kernel_v2(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
             tov = tl.load(f16_ptr + fb + V_TO // 2 + t * HKV + h).to(tl.float32)
             tmax = tl.max(tsv, axis=0)
             tmax = tl.where(tmax > 0, tmax, 1.0)
-            pa = p * (tsv / tmax)[None, :]
-            a_hi = pa.to(tl.float16)
+            a_hi, a_lo = _split16(p * (tsv / tmax)[None, :])
             pv = tl.dot(a_hi, vc, out_dtype=tl.float32)
             if PRECISE_V:
-                pv += tl.dot((pa - a_hi.to(tl.float32)).to(tl.float16), vc, out_dtype=tl.float32)
+                pv += tl.dot(a_lo, vc, out_dtype=tl.float32)
             off = tl.sum(p * tov[None, :], axis=1)
             acc = acc * alpha[:, None] + (pv * tmax + off[:, None]) * vcs[None, :]
     slot = ((s * HQ + h * QPK + rows) * NSPLIT + j).to(tl.int64)
@@ -608,12 +604,8 @@ def _decode_split_kernel_v3(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
         qsum = tl.sum(qse, axis=0) + tl.sum(qso, axis=0)
         amax = tl.maximum(tl.max(tl.abs(qse), axis=0), tl.max(tl.abs(qso), axis=0))
         amax = tl.where(amax > 0, amax, 1.0)
-        qse = qse / amax[None, :]
-        qso = qso / amax[None, :]
-        e_hi = qse.to(tl.float16)
-        o_hi = qso.to(tl.float16)
-        e_lo = (qse - e_hi.to(tl.float32)).to(tl.float16)
-        o_lo = (qso - o_hi.to(tl.float32)).to(tl.float16)
+        e_hi, e_lo = _split16(qse / amax[None, :])
+        o_hi, o_lo = _split16(qso / amax[None, :])
         vcs = f16_ptr + fb + V_CS // 2 + h * D + 4 * i4
         vcs0 = tl.load(vcs).to(tl.float32)[None, :]
         vcs1 = tl.load(vcs + 1).to(tl.float32)[None, :]
@@ -640,9 +632,7 @@ def _decode_split_kernel_v3(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
             m_i = m_new
             tmax = tl.max(tsv, axis=0)
             tmax = tl.where(tmax > 0, tmax, 1.0)
-            pa = tl.trans(p * (tsv / tmax)[:, None])  # [G, BLOCK_T]
-            a_hi = pa.to(tl.float16)
-            a_lo = (pa - a_hi.to(tl.float32)).to(tl.float16)
+            a_hi, a_lo = _split16(tl.trans(p * (tsv / tmax)[:, None]))  # [G, BLOCK_T]
             off = tl.sum(p * tov[:, None], axis=0)[:, None]
             acc0 = _crumb_update(acc0, vraw, 0, a_hi, a_lo, alpha, tmax, off, vcs0, MAGIC, PRECISE_V)
             acc1 = _crumb_update(acc1, vraw, 1, a_hi, a_lo, alpha, tmax, off, vcs1, MAGIC, PRECISE_V)

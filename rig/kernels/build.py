@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -175,10 +176,34 @@ def ptxas_usage(ptx: str, target: int) -> str:
                      if "Used" in ln or "spill" in ln)
 
 
+_SASS_OP = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+
+
+def sass_mix(cubin: bytes) -> dict[str, int]:
+    """How many of each SASS instruction (with its width suffixes, e.g. LDG.E.128, LDS.U8) a cubin holds,
+    by Triton's bundled cuobjdump; {} where it cannot run. Static counts: a loop body's instructions count
+    once, which for a kernel whose work is one loop is its mix per iteration. What it shows without a GPU: byte
+    loads where 16-byte ones were meant, barriers, shared-memory round trips, conversions."""
+    from triton import knobs
+
+    tool = knobs.nvidia.cuobjdump
+    if tool is None:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.cubin"
+        src.write_bytes(cubin)
+        run = subprocess.run([tool.path, "-sass", str(src)], capture_output=True, text=True)
+    ops: dict[str, int] = {}
+    for line in run.stdout.splitlines():
+        if m := _SASS_OP.match(line):
+            ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+    return ops
+
+
 @dataclass(frozen=True)
 class CompileCheck:
-    """One aot_specs()-shaped entry compiled for its arch: the shared memory Triton reserves and ptxas's
-    registers and spills, or why it did not compile."""
+    """One aot_specs()-shaped entry compiled for its arch: the shared memory Triton reserves, ptxas's
+    registers and spills and the SASS instruction mix (sass_mix), or why it did not compile."""
 
     name: str
     arch: str
@@ -186,6 +211,19 @@ class CompileCheck:
     shared_bytes: int | None = None
     ptxas: str = ""
     error: str = ""
+    sass: dict[str, int] = field(default_factory=dict)
+
+    def sass_summary(self, top: int = 12) -> str:
+        """The instruction count and the ``top`` opcodes (suffixes folded), then global/shared loads and stores
+        and barriers with their widths: where a kernel's instructions go."""
+        if not self.sass:
+            return ""
+        base: dict[str, int] = {}
+        for op, n in self.sass.items():
+            base[op.split(".")[0]] = base.get(op.split(".")[0], 0) + n
+        mem = {op: n for op, n in sorted(self.sass.items()) if op.split(".")[0] in ("LDG", "STG", "LDS", "STS", "BAR")}
+        tops = ", ".join(f"{op} {n}" for op, n in sorted(base.items(), key=lambda x: -x[1])[:top])
+        return f"{sum(base.values())} instructions: {tops}; " + ", ".join(f"{op} {n}" for op, n in mem.items())
 
     @property
     def fits(self) -> bool:
@@ -193,11 +231,12 @@ class CompileCheck:
         return self.shared_bytes is not None and self.shared_bytes <= SHARED_BYTES_PER_BLOCK.get(self.arch, 0)
 
 
-def compile_check(aots: Iterable[dict]) -> Iterator[CompileCheck]:
+def compile_check(aots: Iterable[dict], sass: bool = False) -> Iterator[CompileCheck]:
     """Compile each entry (aot_specs()'s shape: name, fn, signature, constexprs, attrs, options, arch/target) for
     its arch without a GPU, one at a time as the caller iterates. What it catches before a GPU run: a kernel that
     does not compile for an arch (its ``error``: the finding, reported beside the others, not raised), spills,
-    or needs more shared memory than the arch has. Used by kernels' own reports and bench scripts alike."""
+    or needs more shared memory than the arch has; with ``sass``, its instruction mix too. Used by kernels' own
+    reports and bench scripts alike."""
     for aot in aots:
         arch = _spec_arch(aot, "compile_check")
         options = aot.get("options", {})
@@ -207,7 +246,8 @@ def compile_check(aots: Iterable[dict]) -> Iterator[CompileCheck]:
             yield CompileCheck(aot["name"], arch, options, error=f"{type(e).__name__}: {str(e)[:200]}")
             continue
         yield CompileCheck(aot["name"], arch, options, int(compiled.metadata.shared),
-                           ptxas_usage(compiled.asm["ptx"], _target(aot, arch)))
+                           ptxas_usage(compiled.asm["ptx"], _target(aot, arch)),
+                           sass=sass_mix(compiled.asm["cubin"]) if sass else {})
 
 
 def _spec_arch(aot: dict, module: str) -> str:
