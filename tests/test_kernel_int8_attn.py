@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rig.kernels import load_file
+
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels" / "int8-prefill-attn"
 BOUND = 2e-2
 OUTLIER = 50.0
@@ -36,13 +38,7 @@ TINY = (8, 4, 256)
 
 def _load(name: str):
     """A file of the kernel folder as a module (the folder name has hyphens: no import statement)."""
-    mod_name = f"rig_kernel_int8_prefill_attn_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, KERNEL_DIR / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[mod_name]
+    return load_file(KERNEL_DIR / f"{name}.py", f"rig_kernel_int8_prefill_attn_{name}")
 
 
 ref = _load("reference")

@@ -156,15 +156,7 @@ def smooth_quant(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max
     """
     if not checked:
         check_varlen(q, k, None, cu_seqlens, max_seqlen)
-    if block < 1:
-        raise ValueError(f"block must be >= 1; got {block}")
-    where = _token_blocks(cu_seqlens, block)
-    ks = k.float()
-    if smooth and q.shape[0] > 0:
-        ks = ks - channel_mean(k, cu_seqlens, block, where)[where["seq"]]
-    q_i8, q_scale = quantize_blocks(q.float(), cu_seqlens, block, where)
-    k_i8, k_scale = quantize_blocks(ks, cu_seqlens, block, where)
-    return q_i8, q_scale, k_i8, k_scale
+    return smooth_quant_prefix(q, k, cu_seqlens, cu_seqlens, block, smooth)
 
 
 def default_sm_scale(head_dim: int) -> float:
@@ -292,7 +284,8 @@ def smooth_quant_prefix(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Te
     """The pre-pass of a chunk over a prefix: Q in blocks from each chunk's start, K smoothed by the mean over
     all of its sequence's keys (prefix and chunk) and quantized in blocks from the sequence's first key.
 
-    With no prefix (``cu_seqlens_k`` equal to ``cu_seqlens_q``, the same tokens) it is ``smooth_quant``.
+    With no prefix (``cu_seqlens_k`` the same tensor as ``cu_seqlens_q``, the same tokens) it is ``smooth_quant``,
+    which calls it so (and the token blocks are then worked out once, for Q and K).
     """
     if block < 1:
         raise ValueError(f"block must be >= 1; got {block}")
@@ -300,7 +293,7 @@ def smooth_quant_prefix(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Te
     ks = k.float()
     if smooth and k.shape[0] > 0:
         ks = ks - channel_mean(k, cu_seqlens_k, block, wk)[wk["seq"]]
-    q_i8, q_scale = quantize_blocks(q.float(), cu_seqlens_q, block)
+    q_i8, q_scale = quantize_blocks(q.float(), cu_seqlens_q, block, wk if cu_seqlens_q is cu_seqlens_k else None)
     k_i8, k_scale = quantize_blocks(ks, cu_seqlens_k, block, wk)
     return q_i8, q_scale, k_i8, k_scale
 
