@@ -773,7 +773,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         raise ValueError(f"unpack {unpack!r}: one of {sorted(UNPACKS)}")
     if unpack != DEFAULT_UNPACK and variant != "v3":
         raise ValueError(f"unpack {unpack!r} is a v3 knob; variant {variant!r} unpacks its own way (leave unpack out)")
-    if UNPACKS[unpack] == 2 and q.device.type != "cuda":
+    if unpack == "ptx" and q.device.type != "cuda":
         raise ValueError(f"unpack {unpack!r} is inline PTX: CUDA tensors only (q is on {q.device}); use 'magic'")
     if maxnreg is not None and not 32 <= maxnreg <= 255:
         raise ValueError(f"maxnreg {maxnreg}: registers per thread, 32 ... 255, or None for ptxas's own choice")
