@@ -44,11 +44,10 @@ CONFIGS = [BASELINE] + [
 ]
 """29 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
 were slower there), and v3 (codes read as stored, K's as the large dot operand) at its defaults (block_t 128,
-8 warps, 1 stage, "magic" unpack, precise "kv") and one or two knobs changed at a time (unpack "ptx": the
-magic number four codes at a time in inline PTX, 2026-12-06; maxnreg 128: two 8-warp programs an SM, with
-spills) (stages 3 is Triton's
-default pipelining). precise "kv" is v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed
-ceiling)."""
+8 warps, 1 stage, "magic" unpack, precise "kv") and one or two knobs changed at a time: stages 3 is Triton's
+default pipelining; unpack "ptx" the magic number four codes at a time in inline PTX; maxnreg 128 two 8-warp
+programs an SM, with spills (the last two added 2026-12-06, docs/kvarn.md). precise "kv" is v1's precision;
+"k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
 SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
 
 
