@@ -294,7 +294,7 @@ def test_compile_check_reports_registers_and_an_instruction_mix_that_tells_byte_
     sig = {"src": "*u8", "dst": "*u8", "off": "i32", "N": "constexpr"}
     base = {"fn": mod.byte_copy, "signature": sig, "constexprs": {"N": 512}, "options": {"num_warps": 1},
             "arch": "sm90", "target": 90, "name": "copy"}
-    aligned = {**base, "attrs": {**kbuild.pointer_attrs(sig), (2,): [["tt.divisibility", 16]]}}
+    aligned = {**base, "attrs": kbuild.pointer_attrs(sig, multiples_of_16=["off"])}
     plain, wide = (c.sass for c in kbuild.compile_check([{**base, "attrs": kbuild.pointer_attrs(sig)}, aligned],
                                                           sass=True))
     assert plain.get("LDG.E.U8", 0) == 16 and "LDG.E.128" not in plain, plain  # 16 bytes a thread

@@ -88,9 +88,8 @@ def entries(kt, targets: list[int]) -> Iterator[dict]:
         for label, kernel, types, constexprs, options in specs(kt):
             names = list(inspect.signature(kernel.fn).parameters)
             sig = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
-            attrs = kbuild.pointer_attrs(sig)
-            if "page_bytes" in sig and kt.MODEL_LAYOUT.page_bytes % 16 == 0:  # the JIT specializes it so
-                attrs[(names.index("page_bytes"),)] = [["tt.divisibility", 16]]
+            wide = ["page_bytes"] if "page_bytes" in sig and kt.MODEL_LAYOUT.page_bytes % 16 == 0 else []
+            attrs = kbuild.pointer_attrs(sig, multiples_of_16=wide)
             yield {"name": label, "fn": kernel, "signature": sig, "constexprs": constexprs,
                    "attrs": attrs, "options": options, "target": target, "arch": f"sm{target}"}
 

@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,11 +155,15 @@ def compile_spec(aot: dict, arch: str) -> tuple[bytes, dict[str, int | str]]:
     return compiled.asm["cubin"], meta
 
 
-def pointer_attrs(signature: dict[str, str]) -> dict[tuple[int], list[list]]:
+def pointer_attrs(signature: dict[str, str], multiples_of_16: Iterable[str] = ()) -> dict[tuple[int], list[list]]:
     """16-byte alignment for every pointer argument of a Triton signature: what the JIT assumes for torch's
-    allocations, so a kernel compiled ahead of time (or checked) is the one the JIT would build."""
+    allocations, so a kernel compiled ahead of time (or checked) is the one the JIT would build. The JIT also
+    specializes an integer argument whose value is a multiple of 16; name those in ``multiples_of_16`` (an
+    offset or stride so declared lets loads through it be 16 bytes wide)."""
     names = list(signature)
-    return {(names.index(n),): [["tt.divisibility", 16]] for n, ty in signature.items() if ty.startswith("*")}
+    wide = set(multiples_of_16)
+    return {(names.index(n),): [["tt.divisibility", 16]] for n, ty in signature.items()
+            if ty.startswith("*") or n in wide}
 
 
 def ptxas_usage(ptx: str, target: int) -> str:
@@ -194,11 +199,7 @@ def sass_mix(cubin: bytes) -> dict[str, int]:
         src = Path(tmp) / "k.cubin"
         src.write_bytes(cubin)
         run = subprocess.run([tool.path, "-sass", str(src)], capture_output=True, text=True)
-    ops: dict[str, int] = {}
-    for line in run.stdout.splitlines():
-        if m := _SASS_OP.match(line):
-            ops[m.group(1)] = ops.get(m.group(1), 0) + 1
-    return ops
+    return dict(Counter(m.group(1) for line in run.stdout.splitlines() if (m := _SASS_OP.match(line))))
 
 
 @dataclass(frozen=True)
@@ -219,12 +220,12 @@ class CompileCheck:
         and barriers with their widths: where a kernel's instructions go."""
         if not self.sass:
             return ""
-        base: dict[str, int] = {}
+        base: Counter[str] = Counter()
         for op, n in self.sass.items():
-            base[op.split(".")[0]] = base.get(op.split(".")[0], 0) + n
+            base[op.split(".")[0]] += n
         mem = {op: n for op, n in sorted(self.sass.items()) if op.split(".")[0] in ("LDG", "STG", "LDS", "STS", "BAR")}
-        tops = ", ".join(f"{op} {n}" for op, n in sorted(base.items(), key=lambda x: -x[1])[:top])
-        return f"{sum(base.values())} instructions: {tops}; " + ", ".join(f"{op} {n}" for op, n in mem.items())
+        tops = ", ".join(f"{op} {n}" for op, n in base.most_common(top))
+        return f"{base.total()} instructions: {tops}; " + ", ".join(f"{op} {n}" for op, n in mem.items())
 
     @property
     def fits(self) -> bool:
