@@ -17,9 +17,9 @@ What is held:
 * decode: relative error <= 1e-3 against fp32 attention over the reference-dequantized K/V (plus
   the unquantized tail), and the same distance to fp32 attention over the original K/V as the
   reference has; paged (shuffled pages), GQA 24/4, several splits, a sequence with no full group,
-  one with an empty tail; for each decode split kernel (DECODE_VARIANTS: v1, v2, v3 and their knobs).
-  v2 and v3 also agree with v1 to fp32 rounding. Outputs are poisoned with NaN first; inputs are fresh random per check
-  (the seed is in the message; RIG_TEST_SEED replays). Negative controls: the same bound fails
+  one with an empty tail; for each decode split kernel (DECODE_VARIANTS: v1, v2, v3, v4 and their knobs).
+  v2, v3 and v4 also agree with v1 to fp32 rounding. Outputs are poisoned with NaN first; inputs are fresh random
+  per check (the seed is in the message; RIG_TEST_SEED replays). Negative controls: the same bound fails
   when the reader skips the rotation, and a page write leaves other pages untouched.
 """
 
@@ -28,6 +28,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -328,27 +330,30 @@ def _decode_check(kt, cache, q: torch.Tensor, kv, device: str, where: str, same_
 
 
 DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"variant": "v2"}, id="v2"),
-                   pytest.param({}, id="v3"),
+                   pytest.param({}, id="v3"), pytest.param({"variant": "v4"}, id="v4"),
                    pytest.param({"variant": "v2", "precise": "k"}, id="v2-precise-k"),
                    pytest.param({"variant": "v2", "block_t": 32, "num_warps": 4}, id="v2-block32"),
                    pytest.param({"variant": "v3", "precise": "k", "unpack": "cvt", "block_t": 64, "num_warps": 4},
                                 id="v3-cvt-k-block64"),
-                   pytest.param({"variant": "v3", "unpack": "ptx"}, id="v3-ptx")]
+                   pytest.param({"variant": "v3", "unpack": "ptx"}, id="v3-ptx"),
+                   pytest.param({"variant": "v4", "unpack": "ptx"}, id="v4-ptx")]
 """decode_attention's split kernels (and their knobs) that every decode check runs: v3 is the default; the first
-three are the three kernels at their defaults. unpack "ptx" is inline PTX: compiled (CUDA) runs only."""
+four are the four kernels at their defaults. unpack "ptx" (inline PTX) and v4 (Gluon): compiled (CUDA) runs only."""
 
 
-def _skip_ptx_in_interpreter(device: str, variant: dict) -> None:
-    """The interpreter cannot run inline PTX (decode_attention refuses it on CPU tensors, checked below)."""
-    if device == "cpu" and variant.get("unpack") == "ptx":
-        pytest.skip("unpack 'ptx' is inline PTX: Triton's interpreter cannot run it (compiled CUDA runs check it)")
+def _skip_in_interpreter(device: str, variant: dict) -> None:
+    """The interpreter runs neither inline PTX nor Gluon (decode_attention refuses both on CPU tensors, checked
+    below); the CPU suite compiles them instead (test_kvarn_compile_check)."""
+    if device == "cpu" and (variant.get("unpack") == "ptx" or variant.get("variant") == "v4"):
+        pytest.skip(f"{variant}: inline PTX / Gluon, which Triton's interpreter cannot run (compiled CUDA runs "
+                    "check it)")
 
 
 @pytest.mark.parametrize("variant", DECODE_VARIANTS)
 def test_decode_matches_attention_over_the_dequantized_cache(dev, variant):
     """Lengths 300 (2 groups + 44 tail), 77 (tail only), 384 (3 groups, empty tail); 2 splits; token-by-token writes."""
     kt, device = dev
-    _skip_ptx_in_interpreter(device, variant)
+    _skip_in_interpreter(device, variant)
     seed = _fresh_seed()
     cache, q, kv = _build(kt, [300, 77, 384], seed, device, pieces=True)
     assert cache.host_groups == [2, 0, 3] and cache.host_tail == [44, 77, 0]
@@ -357,10 +362,11 @@ def test_decode_matches_attention_over_the_dequantized_cache(dev, variant):
         assert rel <= DECODE_BOUND, f"relative error {rel} (cosine {cos}) > {DECODE_BOUND}: {where}"
 
 
-@pytest.mark.parametrize("variant", DECODE_VARIANTS[:3])
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:4])
 def test_decode_negative_control_reader_without_rotation_fails(dev, variant):
     """The same check on a KVarN cache read as if unrotated (rotated=False) is far outside the bound."""
     kt, device = dev
+    _skip_in_interpreter(device, variant)
     seed = _fresh_seed()
     cache, q, kv = _build(kt, [256], seed, device, pieces=False)
     cache.rotated = False
@@ -369,10 +375,11 @@ def test_decode_negative_control_reader_without_rotation_fails(dev, variant):
     assert rel > 100 * DECODE_BOUND, f"unrotated read passed ({rel}): the check would not catch it, seed {seed}"
 
 
-@pytest.mark.parametrize("variant", DECODE_VARIANTS[:4])
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:5])
 def test_decode_plain_rtn_layout(dev, variant):
     """The baseline layout (no rotation, channel scales 1) read with rotated=False matches its reference."""
     kt, device = dev
+    _skip_in_interpreter(device, variant)
     r = kt.reference
     seed = _fresh_seed()
     q, k, v = _context(r, 200, seed % 10_000, queries=1)
@@ -384,9 +391,9 @@ def test_decode_plain_rtn_layout(dev, variant):
     assert rel <= DECODE_BOUND, f"plain RTN decode rel error {rel}, {variant}, seed {seed}"
 
 
-def test_decode_v2_v3_match_v1_and_reject_bad_knobs(dev):
-    """v2 and v3 (several tiles, splits, warps, stages, unpacks) agree with v1 to ~fp32 rounding on the same cache;
-    bad knobs are refused by name."""
+def test_decode_v2_v3_v4_match_v1_and_reject_bad_knobs(dev):
+    """v2, v3 (several tiles, splits, warps, stages, unpacks) and v4 (CUDA) agree with v1 to ~fp32 rounding on the
+    same cache; bad knobs are refused by name."""
     kt, device = dev
     seed = _fresh_seed()
     cache, q, _ = _build(kt, [520, 300], seed, device, pieces=False)
@@ -396,18 +403,48 @@ def test_decode_v2_v3_match_v1_and_reject_bad_knobs(dev):
                {"variant": "v3", "splits": 1}, {"variant": "v3", "splits": 4, "unpack": "cvt", "stages": 2},
                {"variant": "v3", "num_warps": 4, "stages": 3}, {"variant": "v3", "block_t": 32, "precise": "kv"},
                *([{"variant": "v3", "unpack": "ptx"}, {"variant": "v3", "unpack": "ptx", "stages": 2, "splits": 2},
-                  {"variant": "v3", "maxnreg": 128}, {"variant": "v3", "maxnreg": 128, "unpack": "ptx"}]
+                  {"variant": "v3", "maxnreg": 128}, {"variant": "v3", "maxnreg": 128, "unpack": "ptx"},
+                  {"variant": "v4"}, {"variant": "v4", "splits": 1}, {"variant": "v4", "splits": 5, "unpack": "ptx"}]
                  if device == "cuda" else [])):
         got = cache.decode(q, **{"variant": "v2", **kw}).float()
         rel = ((got - v1).norm() / v1.norm()).item()
         assert rel <= 1e-5, f"{kw} vs v1: rel {rel}, seed {seed}"
-    for bad, name in (({"variant": "v4"}, "variant"), ({"variant": "v2", "block_t": 48}, "block_t"),
+    for bad, name in (({"variant": "v5"}, "variant"), ({"variant": "v2", "block_t": 48}, "block_t"),
                       ({"variant": "v3", "block_t": 8}, "block_t"), ({"variant": "v3", "unpack": "int"}, "unpack"),
                       ({"stages": 0}, "stages"), ({"maxnreg": 16}, "maxnreg"),
-                      ({"variant": "v2", "unpack": "cvt"}, "v3 knob"),
-                      *([({"unpack": "ptx"}, "CUDA tensors only")] if device == "cpu" else [])):
+                      ({"variant": "v2", "unpack": "cvt"}, "v3/v4 knob"),
+                      *([({"unpack": "ptx"}, "CUDA tensors only"), ({"variant": "v4"}, "CUDA only")]
+                        if device == "cpu" else
+                        [({"variant": "v4", "block_t": 32}, "one tiling"), ({"variant": "v4", "precise": "k"},
+                                                                             "one tiling"),
+                         ({"variant": "v4", "unpack": "cvt"}, "'magic' or 'ptx'")])):
         with pytest.raises(ValueError, match=name):
             cache.decode(q, **bad)
+
+
+@pytest.mark.skipif(CHILD, reason="compiles in the parent process (the child imports triton interpreted)")
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_v4_compiles_for_sm86_and_sm90_without_shared_memory_or_barriers():
+    """What the interpreter cannot run is compiled here, by bench/scripts/kvarn_compile_check.py itself (a child
+    process: Gluon's compiler prints nanobind leak warnings when its process exits): v4 (Gluon, both unpacks)
+    builds for the users' sm86 and for sm90 with no shared memory and no barrier, where v3's default (the
+    contrast: the check can fail) stages codes through shared memory behind a barrier."""
+    script = KERNEL_DIR.parents[1] / "bench" / "scripts" / "kvarn_compile_check.py"
+    rows = {}
+    for only in ("v4", "v3 t128 w8 s1 kv magic"):
+        run = subprocess.run([sys.executable, str(script), "--arch", "86,90", "--only", only], capture_output=True,
+                             text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        for line in run.stdout.splitlines():
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if line.startswith("| decode split") and not cells[0].endswith("r128"):
+                rows[cells[0], cells[1]] = cells
+    v4 = [k for k in rows if k[0].startswith("decode split v4")]
+    assert len(v4) == 4 and len(rows) == 6, sorted(rows)
+    for (name, arch), cells in rows.items():
+        assert "registers" in cells[4], f"{name} {arch} did not compile: {cells}"
+        light = cells[2] == "0" and "used 0 barriers" in cells[4]
+        assert light == name.startswith("decode split v4"), f"{name} {arch}: {cells[2]} B shared, {cells[4]}"
 
 
 # ----------------------------------------------------------------------------- the engine inside vLLM's backend
@@ -508,7 +545,7 @@ def test_the_vllm_backends_triton_engine_is_attention_over_its_pages(dev, method
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", DECODE_VARIANTS[:4])
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:5])
 @pytest.mark.parametrize("length", [8192, 32768])
 def test_decode_gpu_scale_eight_sequences(length, variant):
     """8 sequences of ~length tokens (ragged), fp16 query, default splits: vs fp32 attention over the kernel's

@@ -477,7 +477,7 @@ def main() -> int:
     ap.add_argument("--block-t", type=int, default=0,
                     help="decode kernel: tokens per inner tile (16 ... 128); 0 = the variant's default")
     ap.add_argument("--num-warps", type=int, default=0, help="decode kernel: warps per program; 0 = the variant's")
-    ap.add_argument("--variant", default="", help="decode split kernel: v1, v2 or v3 (kvarn_decode_sweep.py); "
+    ap.add_argument("--variant", default="", help="decode split kernel: v1 ... v4 (kvarn_decode_sweep.py); "
                                                   "'' = decode_attention's default")
     ap.add_argument("--decode-checkpoints", default="128,512,2048,8192,32768",
                     help="long decode: steps at which to report (the last is the number of steps); '' skips it")

@@ -73,6 +73,9 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
            dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=16, BLOCK_G=16, BLOCK_T=bt, PRECISE_K="k" in pk,
                 PRECISE_V="v" in pk, MAGIC=mg), {"num_warps": w, "num_stages": st, **({"maxnreg": reg} if reg else {})})
           for bt, w, st, pk, mg, reg in V3_CASES],
+        *[(f"decode split v4 {unpack}", kt._load_gluon().decode_split_v4, split,
+           dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=64, PTX=unpack == "ptx"), {"num_warps": 1})
+          for unpack in ("magic", "ptx")],
         ("decode combine", kt._decode_combine_kernel, combine, dict(HKV=4, QPK=6, D=256, T=128, NSPLIT=33,
                                                                    NSPLIT_P2=64, TAIL_T=16, TAIL_ROWS=True),
          {"num_warps": 4}),

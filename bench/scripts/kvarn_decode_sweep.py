@@ -41,13 +41,17 @@ CONFIGS = [BASELINE] + [
         {"unpack": "ptx", "precise": ""}, {"maxnreg": 128}, {"maxnreg": 128, "unpack": "ptx"},
         {"maxnreg": 128, "stages": 2}, {"maxnreg": 128, "precise": "k"},
         {"block_t": 64, "num_warps": 4, "maxnreg": 128})
+] + [
+    {"variant": "v4", **kw} for kw in (
+        {}, {"unpack": "ptx"}, {"splits": 64}, {"splits": 128}, {"splits": 512}, {"unpack": "ptx", "splits": 128})
 ]
-"""29 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
+"""35 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
 were slower there), and v3 (codes read as stored, K's as the large dot operand) at its defaults (block_t 128,
 8 warps, 1 stage, "magic" unpack, precise "kv") and one or two knobs changed at a time: stages 3 is Triton's
 default pipelining; unpack "ptx" the magic number four codes at a time in inline PTX; maxnreg 128 two 8-warp
-programs an SM, with spills (the last two added 2026-12-06, docs/kvarn.md). precise "kv" is v1's precision;
-"k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
+programs an SM, with spills (the last two added 2026-12-06, docs/kvarn.md); v4 (Gluon, one warp a program, one
+tiling) at its default splits and others, both unpacks. precise "kv" is v1's precision; "k" passes the tests'
+1e-3 bound; "" does not (a speed ceiling)."""
 SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
 
 
@@ -55,7 +59,7 @@ def label(cfg: dict, kt_defaults: dict) -> tuple[str, str, str, str, str, str]:
     """Table cells: variant (v3: and its unpack), block_t, warps, stages, splits, precise (kernel defaults shown as
     such)."""
     d = kt_defaults[cfg["variant"]]
-    variant = cfg["variant"] + (f" {cfg.get('unpack', 'magic')}" if cfg["variant"] == "v3" else "") + \
+    variant = cfg["variant"] + (f" {cfg.get('unpack', 'magic')}" if cfg["variant"] in ("v3", "v4") else "") + \
         (f" r{cfg['maxnreg']}" if "maxnreg" in cfg else "")
     return (variant, str(cfg.get("block_t", d[0])), str(cfg.get("num_warps", d[1])),
             str(cfg.get("stages", d[2] or "-")), str(cfg.get("splits", "auto")),
@@ -69,7 +73,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20, help="timed iterations (median)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny size, 3 configs, CPU in Triton's interpreter")
-    ap.add_argument("--only", default="", help="only the configs of this variant (v1, v2, v3), or only CONFIGS[N] "
+    ap.add_argument("--only", default="", help="only the configs of this variant (v1 ... v4), or only CONFIGS[N] "
                                                "for a number N (e.g. one kernel under a profiler)")
     a = ap.parse_args()
     if a.only.isdigit():
@@ -77,7 +81,7 @@ def main() -> int:
     else:
         configs = [c for c in CONFIGS if not a.only or c["variant"] == a.only]
     if not configs:
-        print(f"--only {a.only}: no such config; a variant (v1, v2, v3) or an index below {len(CONFIGS)}",
+        print(f"--only {a.only}: no such config; a variant (v1 ... v4) or an index below {len(CONFIGS)}",
               file=sys.stderr)
         return 2
     if a.smoke:

@@ -50,18 +50,23 @@ import triton.language as tl
 HERE = Path(__file__).resolve().parent
 
 
-def _load_reference():
-    """reference.py under the module name the reference tests use (one module object for both)."""
-    name = "rig_kernel_kvarn_reference"
+def _load_sibling(file: str, name: str, **given):
+    """A file beside this one as module ``name`` (one module object for every loader of that name: the reference
+    tests load reference.py under the same one), with ``given`` set as its globals before it runs."""
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE / "reference.py")
+        spec = importlib.util.spec_from_file_location(name, HERE / file)
         mod = importlib.util.module_from_spec(spec)
+        mod.__dict__.update(given)
         sys.modules[name] = mod
-        spec.loader.exec_module(mod)
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[name]
+            raise
     return sys.modules[name]
 
 
-reference = _load_reference()
+reference = _load_sibling("reference.py", "rig_kernel_kvarn_reference")
 LOG2E = 1.4426950408889634
 
 
@@ -708,20 +713,25 @@ def _decode_combine_kernel(o_ptr, ml_ptr, qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, 
     tl.store(plain_ptr + r.to(tl.int64) * D + d, acc * (wt / total))
 
 
-def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device) -> tuple[int, int]:
-    """(groups per split, number of splits): enough programs to fill the GPU, at most 64 splits."""
+def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device, per_sm: int = 4,
+            most: int = 64) -> tuple[int, int]:
+    """(groups per split, number of splits): about per_sm programs an SM to fill the GPU, at most ``most`` splits."""
     if max_groups <= 0:
         return 1, 0
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    want = max(1, min(64, max_groups, math.ceil(4 * sms / max(1, batch * kv_heads))))
+    want = max(1, min(most, max_groups, math.ceil(per_sm * sms / max(1, batch * kv_heads))))
     gps = math.ceil(max_groups / want)
     return gps, math.ceil(max_groups / gps)
 
 
-DECODE_DEFAULTS = {"v1": (32, 8, None), "v2": (128, 8, None), "v3": (128, 8, 1)}
+DECODE_DEFAULTS = {"v1": (32, 8, None), "v2": (128, 8, None), "v3": (128, 8, 1), "v4": (16, 1, None)}
 """Per decode variant: (block_t, num_warps, stages) when the caller gives none (stages None: Triton's default). v3 at
 (128, 8, 1) was the fastest config within the tests' bound of bench/scripts/kvarn_decode_sweep.py on an H100
-(2026-12-06, triton 3.6): 587.7 us at 8 x 32k against v2's 859.9 and v1's 997.2 in the same run."""
+(2026-12-06, triton 3.6): 587.7 us at 8 x 32k against v2's 859.9 and v1's 997.2 in the same run. v4 (Gluon) has
+one tiling: 16-token tiles, one warp a program."""
+V4_SPLITS = (32, 256)
+"""v4's default split count: about V4_SPLITS[0] one-warp programs an SM, at most V4_SPLITS[1] splits (the other
+variants': 4 eight-warp programs an SM, at most 64)."""
 
 
 DEFAULT_VARIANT = "v3"
@@ -730,6 +740,23 @@ UNPACKS = {"cvt": 0, "magic": 1, "ptx": 2}
 """v3's ways from a code to fp16 (_code's MAGIC): int -> float conversion, the magic number element-wise, or the
 magic number four codes at a time in inline PTX (CUDA only)."""
 DEFAULT_UNPACK = "magic"
+
+
+def _load_gluon():
+    """kvarn_gluon.py (v4), loaded on first use: a host whose Triton lacks Gluon still runs v1-v3."""
+    return _load_sibling("kvarn_gluon.py", "rig_kernel_kvarn_gluon", unpack_ptx=_unpack_ptx)
+
+
+def _check_v4(device: torch.device, block_t: int, num_warps: int, stages: int | None, maxnreg: int | None,
+              precise: str, unpack: str) -> None:
+    """v4's refusals, before anything launches: CUDA only (Gluon has no interpreter), its one tiling, no cvt."""
+    if device.type != "cuda":
+        raise ValueError(f"variant 'v4' is a Gluon kernel, compiled for CUDA only (q is on {device}); use 'v3'")
+    if (block_t, num_warps, stages, maxnreg, precise) != (*DECODE_DEFAULTS["v4"], None, "kv"):
+        raise ValueError("variant 'v4' has one tiling (16-token tiles, one warp, hi + lo dots): leave block_t, "
+                         "num_warps, stages, maxnreg and precise out")
+    if unpack not in ("magic", "ptx"):
+        raise ValueError(f"unpack {unpack!r}: variant 'v4' unpacks by 'magic' or 'ptx'")
 
 
 def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, n_groups: torch.Tensor,
@@ -749,8 +776,10 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     rotated=False reads the plain-RTN layout (no query rotation).
     Launches: query rotation, split kernel (when any group is full), combine + tail, un-rotation.
 
-    variant: "v3" (the default; _decode_split_kernel_v3: codes read as stored, K's as the large dot
-    operand, the query's per-group work once a group; defaults block_t 128, 8 warps, 1 stage;
+    variant: "v4" (kvarn_gluon.decode_split_v4, a Gluon kernel: codes straight from global memory into
+    tensor-core operands, one warp a program, no shared memory; compiled CUDA only, ``unpack`` "magic" or
+    "ptx", no other knob but splits), "v3" (the default; _decode_split_kernel_v3: codes read as stored,
+    K's as the large dot operand, the query's per-group work once a group; defaults block_t 128, 8 warps, 1 stage;
     ``unpack`` "magic" (default), "ptx" or "cvt" says how a code becomes fp16: UNPACKS), "v2"
     (_decode_split_kernel_v2: one K and one V dot per tile on codes gathered into a permuted channel
     order; defaults block_t 128, 8 warps) or "v1" (_decode_split_kernel: BLOCK_T-token tiles, 12
@@ -771,8 +800,11 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         raise ValueError(f"block_t {block_t}: a power of two >= 16 dividing {layout.group}")
     if unpack not in UNPACKS:
         raise ValueError(f"unpack {unpack!r}: one of {sorted(UNPACKS)}")
-    if unpack != DEFAULT_UNPACK and variant != "v3":
-        raise ValueError(f"unpack {unpack!r} is a v3 knob; variant {variant!r} unpacks its own way (leave unpack out)")
+    if unpack != DEFAULT_UNPACK and variant not in ("v3", "v4"):
+        raise ValueError(f"unpack {unpack!r} is a v3/v4 knob; variant {variant!r} unpacks its own way (leave unpack "
+                         "out)")
+    if variant == "v4":
+        _check_v4(q.device, block_t, num_warps, stages, maxnreg, precise, unpack)
     if unpack == "ptx" and q.device.type != "cuda":
         raise ValueError(f"unpack {unpack!r} is inline PTX: CUDA tensors only (q is on {q.device}); use 'magic'")
     if maxnreg is not None and not 32 <= maxnreg <= 255:
@@ -787,7 +819,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         raise ValueError("tail_k and tail_v must share strides with contiguous [heads, dim] rows")
     qpk = hq // hkv
     qp = (q.float() * (LOG2E / math.sqrt(d))).contiguous()
-    gps, nsplit = _splits(s_, hkv, max_groups, q.device)
+    gps, nsplit = _splits(s_, hkv, max_groups, q.device, *(V4_SPLITS if variant == "v4" else ()))
     if splits is not None and max_groups > 0:
         gps = math.ceil(max_groups / max(1, min(splits, max_groups)))
         nsplit = math.ceil(max_groups / gps)
@@ -805,6 +837,9 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         if variant == "v3":
             kernel, kw["PRECISE_K"], kw["PRECISE_V"] = _decode_split_kernel_v3, "k" in precise, "v" in precise
             kw["MAGIC"] = UNPACKS[unpack]
+        if variant == "v4":
+            kernel, kw["PTX"] = _load_gluon().decode_split_v4, unpack == "ptx"
+            del kw["BLOCK_G"], kw["BLOCK_T"]
         if stages is not None:
             kw["num_stages"] = stages
         if maxnreg is not None:

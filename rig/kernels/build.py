@@ -140,8 +140,11 @@ def _compile(aot: dict, arch: str):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=aot["fn"], signature=aot["signature"], constexprs=aot.get("constexprs", {}),
-                    attrs=aot.get("attrs", {}))
+    source = ASTSource
+    if aot["fn"].is_gluon():  # a Gluon kernel (triton.experimental.gluon): its own front end
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=aot["fn"], signature=aot["signature"], constexprs=aot.get("constexprs", {}),
+                 attrs=aot.get("attrs", {}))
     options = {"enable_fp_fusion": True, **aot.get("options", {})}
     return triton.compile(src, target=GPUTarget("cuda", _target(aot, arch), 32), options=options)
 
