@@ -343,7 +343,7 @@ four are the four kernels at their defaults. unpack "ptx" (inline PTX) and v4 (G
 
 def _skip_in_interpreter(device: str, variant: dict) -> None:
     """The interpreter runs neither inline PTX nor Gluon (decode_attention refuses both on CPU tensors, checked
-    below); the CPU suite compiles them instead (test_kvarn_compile_check)."""
+    below); the CPU suite compiles v4 instead (test_v4_compiles_for_sm86_and_sm90_without_shared_memory_or_barriers)."""
     if device == "cpu" and (variant.get("unpack") == "ptx" or variant.get("variant") == "v4"):
         pytest.skip(f"{variant}: inline PTX / Gluon, which Triton's interpreter cannot run (compiled CUDA runs "
                     "check it)")

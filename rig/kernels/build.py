@@ -141,7 +141,7 @@ def _compile(aot: dict, arch: str):
     from triton.compiler import ASTSource
 
     source = ASTSource
-    if aot["fn"].is_gluon():  # a Gluon kernel (triton.experimental.gluon): its own front end
+    if getattr(aot["fn"], "is_gluon", lambda: False)():  # a Gluon kernel (triton.experimental.gluon): own front end
         from triton.experimental.gluon._runtime import GluonASTSource as source
     src = source(fn=aot["fn"], signature=aot["signature"], constexprs=aot.get("constexprs", {}),
                  attrs=aot.get("attrs", {}))
