@@ -731,7 +731,7 @@ DECODE_DEFAULTS = {"v1": (32, 8, None), "v2": (128, 8, None), "v3": (128, 8, 1),
 one tiling: 16-token tiles, one warp a program."""
 V4_SPLITS = (32, 256)
 """v4's default split count: about V4_SPLITS[0] one-warp programs an SM, at most V4_SPLITS[1] splits (the other
-variants': 4 eight-warp programs an SM, at most 64)."""
+variants': 4 eight-warp programs an SM, at most 64). A first guess: the sweep's v4 split rows tune it on a GPU."""
 
 
 DEFAULT_VARIANT = "v3"
