@@ -447,6 +447,15 @@ def test_v4_compiles_for_sm86_and_sm90_without_shared_memory_or_barriers():
         assert light == name.startswith("decode split v4"), f"{name} {arch}: {cells[2]} B shared, {cells[4]}"
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="the refusal is what a host without CUDA sees")
+def test_v4_check_script_refuses_a_host_without_cuda():
+    """bench/scripts/kvarn_v4_check.py says why it cannot run (v4 is compiled Gluon) and exits 2, not a traceback."""
+    script = KERNEL_DIR.parents[1] / "bench" / "scripts" / "kvarn_v4_check.py"
+    run = subprocess.run([sys.executable, str(script), "--lengths", "256"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr, (run.returncode, run.stderr[-2000:])
+
+
 # ----------------------------------------------------------------------------- the engine inside vLLM's backend
 
 def _engine_schedule() -> list[list[tuple[int, int]]]:
