@@ -6,7 +6,7 @@ of a tensor-core operand and the codes' byte layout is not it. Gluon lets a kern
 loads each thread's codes from global memory straight into the registers the mma instruction reads:
 
 * one warp a program, each an independent run of whole groups with its own (m, l, acc): no shared memory,
-  no barrier; many splits (decode_attention's DECODE_SPLITS) fill the GPU;
+  no barrier; many splits (kvarn_triton.V4_SPLITS) fill the GPU;
 * scores S^T [16 tokens, 8 query rows] = K codes [16, 256] @ q'^T [256, 8] (mma m16n8k16: the 6 query rows of
   a KV head pad to 8, not 16). The dot does not care about channel order, so logical k of the operands maps
   to K channel 64 ((k >> 1) & 3) + 4 (k >> 4) + 2 ((k >> 3) & 1) + (k & 1): the A-fragment thread of
