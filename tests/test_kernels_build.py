@@ -290,6 +290,7 @@ def test_compile_check_reports_registers_and_an_instruction_mix_that_tells_byte_
     assert [c.arch for c in checks] == ["sm86", "sm90"] and not any(c.error for c in checks)
     for c in checks:
         assert "registers" in c.ptxas and c.sass.get("HMMA.16816.F32", 0) > 0, (c.arch, c.ptxas, c.sass)
+        assert 0 < c.usage["registers"] <= 255 and f"Used {c.usage['registers']} registers" in c.ptxas, c.usage
         assert c.sass_summary().startswith(f"{sum(c.sass.values())} instructions: ") and "LDG" in c.sass_summary()
     sig = {"src": "*u8", "dst": "*u8", "off": "i32", "N": "constexpr"}
     base = {"fn": mod.byte_copy, "signature": sig, "constexprs": {"N": 512}, "options": {"num_warps": 1},

@@ -26,6 +26,7 @@ What is held:
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import subprocess
@@ -424,27 +425,28 @@ def test_decode_v2_v3_v4_match_v1_and_reject_bad_knobs(dev):
 
 @pytest.mark.skipif(CHILD, reason="compiles in the parent process (the child imports triton interpreted)")
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_v4_compiles_for_sm86_and_sm90_without_shared_memory_or_barriers():
+def test_v4_compiles_for_sm86_and_sm90_without_shared_memory_or_barriers(tmp_path):
     """What the interpreter cannot run is compiled here, by bench/scripts/kvarn_compile_check.py itself (a child
     process: Gluon's compiler prints nanobind leak warnings when its process exits): v4 (Gluon, both unpacks)
     builds for the users' sm86 and for sm90 with no shared memory and no barrier, where v3's default (the
-    contrast: the check can fail) stages codes through shared memory behind a barrier."""
+    contrast: the check can fail) stages codes through shared memory behind a barrier. The script's --json rows
+    carry ptxas's figures as numbers."""
     script = KERNEL_DIR.parents[1] / "bench" / "scripts" / "kvarn_compile_check.py"
     rows = {}
-    for only in ("v4", "v3 t128 w8 s1 kv magic"):
-        run = subprocess.run([sys.executable, str(script), "--arch", "86,90", "--only", only], capture_output=True,
-                             text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
+    for i, only in enumerate(("v4", "v3 t128 w8 s1 kv magic")):
+        out = tmp_path / f"check{i}.json"
+        run = subprocess.run([sys.executable, str(script), "--arch", "86,90", "--only", only, "--json", str(out)],
+                             capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
         assert run.returncode == 0, run.stderr[-2000:]
-        for line in run.stdout.splitlines():
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            if line.startswith("| decode split") and not cells[0].endswith("r128"):
-                rows[cells[0], cells[1]] = cells
+        for row in json.loads(out.read_text())["rows"]:
+            if row["name"].startswith("decode split") and not row["name"].endswith("r128"):
+                rows[row["name"], row["arch"]] = row
     v4 = [k for k in rows if k[0].startswith("decode split v4")]
     assert len(v4) == 4 and len(rows) == 6, sorted(rows)
-    for (name, arch), cells in rows.items():
-        assert "registers" in cells[4], f"{name} {arch} did not compile: {cells}"
-        light = cells[2] == "0" and "used 0 barriers" in cells[4]
-        assert light == name.startswith("decode split v4"), f"{name} {arch}: {cells[2]} B shared, {cells[4]}"
+    for (name, arch), row in rows.items():
+        assert not row["error"] and row["registers"] > 0, f"{name} {arch} did not compile: {row}"
+        light = row["shared_bytes"] == 0 and row["barriers"] == 0
+        assert light == name.startswith("decode split v4"), f"{name} {arch}: {row['shared_bytes']} B shared, {row}"
 
 
 @pytest.mark.skipif(CHILD, reason="runs once, in the parent process")

@@ -7,16 +7,18 @@ run: a kernel that does not compile for an arch, spills, or needs more shared me
 arch has (sm86: 99 KiB per block, sm90: 227 KiB). CPU work only (about a minute on 2 cores). The
 compile loop is rig.kernels.build.compile_check, the one the int8 attention's report uses.
 
-    python bench/scripts/kvarn_compile_check.py [--arch 86,90] [--only LABEL] [--sass]
+    python bench/scripts/kvarn_compile_check.py [--arch 86,90] [--only LABEL] [--sass] [--json PATH]
 
 --sass adds each kernel's SASS instruction mix (rig.kernels.build.sass_mix: static counts; the split kernels'
-work is one loop, so about one iteration's mix): where the instructions go, without a GPU.
+work is one loop, so about one iteration's mix): where the instructions go, without a GPU. --json writes the
+rows as data too (name, arch, shared_bytes, fits, ptxas's figures as numbers, error), for checks that read them.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from rig.bench.results import write_atomic  # noqa: E402
 from rig.kernels import build as kbuild  # noqa: E402
 from rig.kernels import load_file  # noqa: E402
 
@@ -102,6 +105,7 @@ def main() -> int:
     ap.add_argument("--arch", default="86,90", help="compute capabilities, e.g. 86,90")
     ap.add_argument("--only", default="", help="only the kernels whose label contains this, e.g. 'decode split'")
     ap.add_argument("--sass", action="store_true", help="also each kernel's SASS instruction mix (cuobjdump)")
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON to this file (atomically)")
     a = ap.parse_args()
     kt = load_kernels()
     import triton
@@ -111,8 +115,11 @@ def main() -> int:
     print(f"\n| kernel | arch | shared bytes | within the arch's shared memory | ptxas |{sass_col[0]}\n"
           f"|---|---|---:|---|---|{sass_col[1]}")
     bad = 0
+    rows = []
     chosen = (e for e in entries(kt, [int(x) for x in a.arch.split(",")]) if a.only in e["name"])
     for c in kbuild.compile_check(chosen, sass=a.sass):
+        rows.append({"name": c.name, "arch": c.arch, "shared_bytes": c.shared_bytes, "fits": c.fits, **c.usage,
+                     "ptxas": c.ptxas, "error": c.error, "sass": c.sass})
         if c.error:
             bad += 1
             print(f"| {c.name} | {c.arch} | - | - | FAILED: {c.error} |")
@@ -120,6 +127,8 @@ def main() -> int:
         bad += not c.fits
         mix = f" {c.sass_summary()} |" if a.sass else ""
         print(f"| {c.name} | {c.arch} | {c.shared_bytes:,} | {'yes' if c.fits else 'NO'} | {c.ptxas} |{mix}")
+    if a.json:
+        write_atomic(a.json, json.dumps({"triton": triton.__version__, "rows": rows}, indent=2) + "\n")
     return 1 if bad else 0
 
 

@@ -205,6 +205,12 @@ def sass_mix(cubin: bytes) -> dict[str, int]:
     return dict(Counter(m.group(1) for line in run.stdout.splitlines() if (m := _SASS_OP.match(line))))
 
 
+_PTXAS_FIGURES = {"registers": r"Used (\d+) registers", "barriers": r"used (\d+) barriers",
+                  "stack": r"(\d+) bytes stack frame", "spill_stores": r"(\d+) bytes spill stores",
+                  "spill_loads": r"(\d+) bytes spill loads"}
+"""ptxas -v's wording of each figure CompileCheck.usage reads."""
+
+
 @dataclass(frozen=True)
 class CompileCheck:
     """One aot_specs()-shaped entry compiled for its arch: the shared memory Triton reserves, ptxas's
@@ -229,6 +235,13 @@ class CompileCheck:
         mem = {op: n for op, n in sorted(self.sass.items()) if op.split(".")[0] in ("LDG", "STG", "LDS", "STS", "BAR")}
         tops = ", ".join(f"{op} {n}" for op, n in base.most_common(top))
         return f"{base.total()} instructions: {tops}; " + ", ".join(f"{op} {n}" for op, n in mem.items())
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """ptxas's figures as numbers (registers, barriers, stack, spill_stores, spill_loads; those it printed),
+        so a check reads a resource rather than a sentence."""
+        return {key: int(m.group(1)) for key, pattern in _PTXAS_FIGURES.items()
+                if (m := re.search(pattern, self.ptxas))}
 
     @property
     def fits(self) -> bool:
