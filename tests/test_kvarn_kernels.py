@@ -450,6 +450,16 @@ def test_v4_compiles_for_sm86_and_sm90_without_shared_memory_or_barriers(tmp_pat
 
 
 @pytest.mark.skipif(CHILD, reason="runs once, in the parent process")
+def test_gluon_file_refuses_a_load_that_does_not_give_it_the_unpack_ptx():
+    """kvarn_gluon.py unpacks with kvarn_triton's PTX (one source for both kernels); loaded on its own it says how to
+    load it, rather than failing later inside a compile."""
+    pytest.importorskip("triton.experimental.gluon")
+    spec = importlib.util.spec_from_file_location("rig_test_gluon_alone", KERNEL_DIR / "kvarn_gluon.py")
+    with pytest.raises(ImportError, match=r"_load_gluon\(\).*variant='v4'"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+@pytest.mark.skipif(CHILD, reason="runs once, in the parent process")
 @pytest.mark.skipif(HAS_CUDA, reason="the refusal is what a host without CUDA sees")
 def test_v4_check_script_refuses_a_host_without_cuda():
     """bench/scripts/kvarn_v4_check.py says why it cannot run (v4 is compiled Gluon) and exits 2, not a traceback."""

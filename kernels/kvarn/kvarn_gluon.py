@@ -25,7 +25,7 @@ Its output is v3's (o [S, HQ, NSPLIT, D] unnormalized, natural channel order; ml
 kvarn_triton's combine kernel reads it unchanged. Gluon has no interpreter: v4 runs compiled on CUDA only
 (sm80 and later: mma_v2), and the CPU tests compile it for sm86 and sm90 (kvarn_compile_check.py).
 
-kvarn_triton loads this file and sets ``unpack_ptx`` (its builder of the four-codes-at-a-time PTX) before
+kvarn_triton loads this file and sets ``unpack_asm`` (its four-codes-at-a-time PTX by (shift, mask)) before
 running it, so both kernels unpack with the same instructions. Written for this repo; no code was copied.
 """
 
@@ -35,10 +35,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-if "unpack_ptx" not in globals():
-    raise ImportError("kvarn_gluon.py is loaded through kvarn_triton._load_gluon(), which gives it unpack_ptx "
+if "unpack_asm" not in globals():
+    raise ImportError("kvarn_gluon.py is loaded through kvarn_triton._load_gluon(), which gives it unpack_asm "
                       "(the PTX both kernels unpack with); load kvarn_triton.py and use decode_attention(variant='v4')")
-unpack_ptx = globals()["unpack_ptx"]
+_ASM = globals()["unpack_asm"]
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 """One warp's mma.m16n8k16 accumulator: scores S^T [16 tokens, 8 rows] and acc [256 channels, 8 rows]."""
@@ -55,7 +55,6 @@ V_HALF = gl.constexpr(gl.DistributedLinearLayout(
 """V codes of one 128-channel half [token, x, byte]: lane (4 x + u) holds tokens 2u, 2u + 1, 2u + 8, 2u + 9,
 bytes 8 x + 4 c + [0, 4) of half c: after the crumb split and a transpose, the A fragment of P.V."""
 
-_ASM = {(s, m): gl.constexpr(unpack_ptx(s, m)) for s, m in ((0, 15), (4, 15), (0, 3), (2, 3), (4, 3), (6, 3))}
 _K0, _K4 = _ASM[0, 15], _ASM[4, 15]
 _V0, _V2, _V4, _V6 = _ASM[0, 3], _ASM[2, 3], _ASM[4, 3], _ASM[6, 3]
 

@@ -515,12 +515,10 @@ def _unpack_ptx(shift: int, mask: int) -> str:
             "mov.b32 m, 0x64006400; sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }")
 
 
-_PTX_K0 = tl.constexpr(_unpack_ptx(0, 15))
-_PTX_K4 = tl.constexpr(_unpack_ptx(4, 15))
-_PTX_V0 = tl.constexpr(_unpack_ptx(0, 3))
-_PTX_V2 = tl.constexpr(_unpack_ptx(2, 3))
-_PTX_V4 = tl.constexpr(_unpack_ptx(4, 3))
-_PTX_V6 = tl.constexpr(_unpack_ptx(6, 3))
+UNPACK_PTX = {(s, m): tl.constexpr(_unpack_ptx(s, m)) for s, m in ((0, 15), (4, 15), (0, 3), (2, 3), (4, 3), (6, 3))}
+"""_unpack_ptx for every (shift, mask) the kernels unpack: v3 here and v4 (kvarn_gluon, given this dict) alike."""
+_PTX_K0, _PTX_K4 = UNPACK_PTX[0, 15], UNPACK_PTX[4, 15]
+_PTX_V0, _PTX_V2, _PTX_V4, _PTX_V6 = UNPACK_PTX[0, 3], UNPACK_PTX[2, 3], UNPACK_PTX[4, 3], UNPACK_PTX[6, 3]
 
 
 @triton.jit
@@ -744,7 +742,7 @@ DEFAULT_UNPACK = "magic"
 
 def _load_gluon():
     """kvarn_gluon.py (v4), loaded on first use: a host whose Triton lacks Gluon still runs v1-v3."""
-    return _load_sibling("kvarn_gluon.py", "rig_kernel_kvarn_gluon", unpack_ptx=_unpack_ptx)
+    return _load_sibling("kvarn_gluon.py", "rig_kernel_kvarn_gluon", unpack_asm=UNPACK_PTX)
 
 
 def _check_v4(device: torch.device, block_t: int, num_warps: int, stages: int | None, maxnreg: int | None,
