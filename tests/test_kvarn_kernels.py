@@ -337,15 +337,17 @@ DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"vari
                    pytest.param({"variant": "v3", "precise": "k", "unpack": "cvt", "block_t": 64, "num_warps": 4},
                                 id="v3-cvt-k-block64"),
                    pytest.param({"variant": "v3", "unpack": "ptx"}, id="v3-ptx"),
-                   pytest.param({"variant": "v4", "unpack": "ptx"}, id="v4-ptx")]
+                   pytest.param({"variant": "v4", "unpack": "ptx"}, id="v4-ptx"),
+                   pytest.param({"variant": "v5"}, id="v5"), pytest.param({"variant": "v5", "stages": 2}, id="v5-s2")]
 """decode_attention's split kernels (and their knobs) that every decode check runs: v3 is the default; the first
-four are the four kernels at their defaults. unpack "ptx" (inline PTX) and v4 (Gluon): compiled (CUDA) runs only."""
+four are four kernels at their defaults. unpack "ptx" (inline PTX), v4 and v5 (Gluon): compiled (CUDA) runs only."""
 
 
 def _skip_in_interpreter(device: str, variant: dict) -> None:
     """The interpreter runs neither inline PTX nor Gluon (decode_attention refuses both on CPU tensors, checked
-    below); the CPU suite compiles v4 instead (test_v4_compiles_for_sm86_and_sm90_without_shared_memory_or_barriers)."""
-    if device == "cpu" and (variant.get("unpack") == "ptx" or variant.get("variant") == "v4"):
+    below); the CPU suite compiles v4 and v5 instead
+    (test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_with_its_ring)."""
+    if device == "cpu" and (variant.get("unpack") == "ptx" or variant.get("variant") in ("v4", "v5")):
         pytest.skip(f"{variant}: inline PTX / Gluon, which Triton's interpreter cannot run (compiled CUDA runs "
                     "check it)")
 
@@ -392,8 +394,8 @@ def test_decode_plain_rtn_layout(dev, variant):
     assert rel <= DECODE_BOUND, f"plain RTN decode rel error {rel}, {variant}, seed {seed}"
 
 
-def test_decode_v2_v3_v4_match_v1_and_reject_bad_knobs(dev):
-    """v2, v3 (several tiles, splits, warps, stages, unpacks) and v4 (CUDA) agree with v1 to ~fp32 rounding on the
+def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
+    """v2, v3 (several tiles, splits, warps, stages, unpacks), v4 and v5 (CUDA) agree with v1 to ~fp32 rounding on the
     same cache; bad knobs are refused by name."""
     kt, device = dev
     seed = _fresh_seed()
@@ -405,35 +407,42 @@ def test_decode_v2_v3_v4_match_v1_and_reject_bad_knobs(dev):
                {"variant": "v3", "num_warps": 4, "stages": 3}, {"variant": "v3", "block_t": 32, "precise": "kv"},
                *([{"variant": "v3", "unpack": "ptx"}, {"variant": "v3", "unpack": "ptx", "stages": 2, "splits": 2},
                   {"variant": "v3", "maxnreg": 128}, {"variant": "v3", "maxnreg": 128, "unpack": "ptx"},
-                  {"variant": "v4"}, {"variant": "v4", "splits": 1}, {"variant": "v4", "splits": 5, "unpack": "ptx"}]
+                  {"variant": "v4"}, {"variant": "v4", "splits": 1}, {"variant": "v4", "splits": 5, "unpack": "ptx"},
+                  {"variant": "v5"}, {"variant": "v5", "splits": 1}, {"variant": "v5", "splits": 5, "stages": 9},
+                  {"variant": "v5", "stages": 2, "splits": 2}]
                  if device == "cuda" else [])):
         got = cache.decode(q, **{"variant": "v2", **kw}).float()
         rel = ((got - v1).norm() / v1.norm()).item()
         assert rel <= 1e-5, f"{kw} vs v1: rel {rel}, seed {seed}"
-    for bad, name in (({"variant": "v5"}, "variant"), ({"variant": "v2", "block_t": 48}, "block_t"),
+    for bad, name in (({"variant": "v6"}, "variant"), ({"variant": "v2", "block_t": 48}, "block_t"),
                       ({"variant": "v3", "block_t": 8}, "block_t"), ({"variant": "v3", "unpack": "int"}, "unpack"),
                       ({"stages": 0}, "stages"), ({"maxnreg": 16}, "maxnreg"),
                       ({"variant": "v2", "unpack": "cvt"}, "v3/v4 knob"),
-                      *([({"unpack": "ptx"}, "CUDA tensors only"), ({"variant": "v4"}, "CUDA only")]
+                      *([({"unpack": "ptx"}, "CUDA tensors only"), ({"variant": "v4"}, "CUDA only"),
+                         ({"variant": "v5"}, "CUDA only")]
                         if device == "cpu" else
                         [({"variant": "v4", "block_t": 32}, "one tiling"), ({"variant": "v4", "precise": "k"},
                                                                              "one tiling"),
-                         ({"variant": "v4", "unpack": "cvt"}, "'magic' or 'ptx'")])):
+                         ({"variant": "v4", "unpack": "cvt"}, "'magic' or 'ptx'"),
+                         ({"variant": "v4", "stages": 2}, "one tiling"), ({"variant": "v5", "stages": 1}, "2 ... 9"),
+                         ({"variant": "v5", "stages": 10}, "2 ... 9"), ({"variant": "v5", "unpack": "ptx"}, "own PTX"),
+                         ({"variant": "v5", "num_warps": 4}, "one tiling")])):
         with pytest.raises(ValueError, match=name):
             cache.decode(q, **bad)
 
 
 @pytest.mark.skipif(CHILD, reason="compiles in the parent process (the child imports triton interpreted)")
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_v4_compiles_for_sm86_and_sm90_without_shared_memory_or_barriers(tmp_path):
+def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_with_its_ring(tmp_path):
     """What the interpreter cannot run is compiled here, by bench/scripts/kvarn_compile_check.py itself (a child
-    process: Gluon's compiler prints nanobind leak warnings when its process exits): v4 (Gluon, both unpacks)
-    builds for the users' sm86 and for sm90 with no shared memory and no barrier, where v3's default (the
-    contrast: the check can fail) stages codes through shared memory behind a barrier. The script's --json rows
-    carry ptxas's figures as numbers."""
+    process: Gluon's compiler prints nanobind leak warnings when its process exits), for the users' sm86 and for
+    sm90: v4 (both unpacks) with no shared memory and no barrier, where v3's default (the contrast: the check can
+    fail) stages codes through shared memory behind a barrier; v5 with exactly its ring in shared memory (STAGES
+    tiles of 2,048 + 1,024 code bytes and 512 scale bytes) and one barrier. The script's --json rows carry
+    ptxas's figures as numbers."""
     script = KERNEL_DIR.parents[1] / "bench" / "scripts" / "kvarn_compile_check.py"
     rows = {}
-    for i, only in enumerate(("v4", "v3 t128 w8 s1 kv magic")):
+    for i, only in enumerate(("split v4", "split v5", "v3 t128 w8 s1 kv magic")):
         out = tmp_path / f"check{i}.json"
         run = subprocess.run([sys.executable, str(script), "--arch", "86,90", "--only", only, "--json", str(out)],
                              capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
@@ -441,12 +450,16 @@ def test_v4_compiles_for_sm86_and_sm90_without_shared_memory_or_barriers(tmp_pat
         for row in json.loads(out.read_text())["rows"]:
             if row["name"].startswith("decode split") and not row["name"].endswith("r128"):
                 rows[row["name"], row["arch"]] = row
-    v4 = [k for k in rows if k[0].startswith("decode split v4")]
-    assert len(v4) == 4 and len(rows) == 6, sorted(rows)
+    names = sorted({name for name, _ in rows})
+    assert names == ["decode split v3 t128 w8 s1 kv magic", "decode split v4 magic", "decode split v4 ptx",
+                     "decode split v5 s2", "decode split v5 s4"] and len(rows) == 10, sorted(rows)
     for (name, arch), row in rows.items():
-        assert not row["error"] and row["registers"] > 0, f"{name} {arch} did not compile: {row}"
+        assert not row["error"] and row["registers"] > 0 and row["fits"], f"{name} {arch} did not compile: {row}"
         light = row["shared_bytes"] == 0 and row["barriers"] == 0
         assert light == name.startswith("decode split v4"), f"{name} {arch}: {row['shared_bytes']} B shared, {row}"
+        if name.startswith("decode split v5"):
+            stages = int(name.rsplit("s", 1)[1])
+            assert row["shared_bytes"] == stages * (2048 + 1024 + 512) and row["barriers"] == 1, (name, arch, row)
 
 
 @pytest.mark.skipif(CHILD, reason="runs once, in the parent process")

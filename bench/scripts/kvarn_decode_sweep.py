@@ -44,13 +44,17 @@ CONFIGS = [BASELINE] + [
 ] + [
     {"variant": "v4", **kw} for kw in (
         {}, {"unpack": "ptx"}, {"splits": 64}, {"splits": 128}, {"splits": 512}, {"unpack": "ptx", "splits": 128})
+] + [
+    {"variant": "v5", **kw} for kw in (
+        {}, {"stages": 2}, {"stages": 3}, {"stages": 6}, {"splits": 64}, {"splits": 128}, {"splits": 512})
 ]
-"""35 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
+"""42 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
 were slower there), and v3 (codes read as stored, K's as the large dot operand) at its defaults (block_t 128,
 8 warps, 1 stage, "magic" unpack, precise "kv") and one or two knobs changed at a time: stages 3 is Triton's
 default pipelining; unpack "ptx" the magic number four codes at a time in inline PTX; maxnreg 128 two 8-warp
 programs an SM, with spills (the last two added 2026-12-06, docs/kvarn.md); v4 (Gluon, one warp a program, one
-tiling) at its default splits and others, both unpacks. precise "kv" is v1's precision; "k" passes the tests'
+tiling) at its default splits and others, both unpacks; v5 (v4 fed by a ring of tiles in shared memory) at its
+default ring depth (4) and splits, and others. precise "kv" is v1's precision; "k" passes the tests'
 1e-3 bound; "" does not (a speed ceiling)."""
 SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
 
@@ -73,15 +77,16 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20, help="timed iterations (median)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny size, 3 configs, CPU in Triton's interpreter")
-    ap.add_argument("--only", default="", help="only the configs of this variant (v1 ... v4), or only CONFIGS[N] "
-                                               "for a number N (e.g. one kernel under a profiler)")
+    ap.add_argument("--only", default="", help="only the configs of these variants (v1 ... v5, comma-separated), "
+                                               "or only CONFIGS[N] for a number N (e.g. one kernel under a profiler)")
     a = ap.parse_args()
     if a.only.isdigit():
         configs = CONFIGS[int(a.only):int(a.only) + 1]
     else:
-        configs = [c for c in CONFIGS if not a.only or c["variant"] == a.only]
+        variants = set(a.only.split(",")) if a.only else {c["variant"] for c in CONFIGS}
+        configs = [c for c in CONFIGS if c["variant"] in variants]
     if not configs:
-        print(f"--only {a.only}: no such config; a variant (v1 ... v4) or an index below {len(CONFIGS)}",
+        print(f"--only {a.only}: no such config; variants (v1 ... v5) or an index below {len(CONFIGS)}",
               file=sys.stderr)
         return 2
     if a.smoke:

@@ -33,12 +33,14 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 if "unpack_asm" not in globals():
     raise ImportError("kvarn_gluon.py is loaded through kvarn_triton._load_gluon(), which gives it unpack_asm "
                       "(the PTX both kernels unpack with); load kvarn_triton.py and use decode_attention(variant='v4')")
 _ASM = globals()["unpack_asm"]
+_copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+"""cp.async, global -> shared (Triton 3.6 calls it async_copy_global_to_shared, 3.9 async_load)."""
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 """One warp's mma.m16n8k16 accumulator: scores S^T [16 tokens, 8 rows] and acc [256 channels, 8 rows]."""
@@ -81,21 +83,26 @@ def _split16(x):
 
 
 @gluon.jit
-def _q_chunk(qrow, qmask, kcs, kb, C: gl.constexpr):
-    """Chunk C of the query, gathered in the K map's channel order, times the group's K channel scales."""
-    k = kb + 64 * C
-    kch = 64 * ((k >> 1) & 3) + 4 * (k >> 4) + 2 * ((k >> 3) & 1) + (k & 1)
+def _q_chunk(qrow, qmask, kcs, kb, C: gl.constexpr, WORDS: gl.constexpr):
+    """Chunk C of the query, gathered in the K map's channel order (v4's, or v5's for word unpacking: WORDS),
+    times the group's K channel scales."""
+    if WORDS:
+        k = kb
+        kch = 64 * ((k >> 1) & 3) + 16 * C + 8 * ((k >> 4) & 1) + 2 * ((k >> 3) & 1) + 4 * (k & 1) + (k >> 5)
+    else:
+        k = kb + 64 * C
+        kch = 64 * ((k >> 1) & 3) + 4 * (k >> 4) + 2 * ((k >> 3) & 1) + (k & 1)
     return gl.load(qrow + kch[:, None], mask=qmask, other=0.0) * gl.load(kcs + kch).to(gl.float32)[:, None]
 
 
 @gluon.jit
-def _query(qrow, qmask, kcs, kb, S_L: gl.constexpr):
+def _query(qrow, qmask, kcs, kb, S_L: gl.constexpr, WORDS: gl.constexpr = False):
     """q * K channel scale / its largest |value| (per row) as four (hi, lo) B-operand chunks, with the rows'
     sums (for the token offsets) and largest |values| in the scores' layout S_L."""
-    c0 = _q_chunk(qrow, qmask, kcs, kb, 0)
-    c1 = _q_chunk(qrow, qmask, kcs, kb, 1)
-    c2 = _q_chunk(qrow, qmask, kcs, kb, 2)
-    c3 = _q_chunk(qrow, qmask, kcs, kb, 3)
+    c0 = _q_chunk(qrow, qmask, kcs, kb, 0, WORDS)
+    c1 = _q_chunk(qrow, qmask, kcs, kb, 1, WORDS)
+    c2 = _q_chunk(qrow, qmask, kcs, kb, 2, WORDS)
+    c3 = _q_chunk(qrow, qmask, kcs, kb, 3, WORDS)
     qsum = gl.sum(c0, axis=0) + gl.sum(c1, axis=0) + gl.sum(c2, axis=0) + gl.sum(c3, axis=0)
     amax = gl.maximum(gl.maximum(gl.max(gl.abs(c0), axis=0), gl.max(gl.abs(c1), axis=0)),
                       gl.maximum(gl.max(gl.abs(c2), axis=0), gl.max(gl.abs(c3), axis=0)))
@@ -125,6 +132,36 @@ def _v_half(vt, p_hi, p_lo, acc, A_L: gl.constexpr, PTX: gl.constexpr):
                 gl.join(_code(raw, 2, 3, PTX), _code(raw, 6, 3, PTX))).reshape([16, 128])
     av = gl.convert_layout(v.reshape([16, 8, 16]).permute([2, 1, 0]).reshape([128, 16]), A_L, assert_trivial=True)
     return mma_v2(av, p_lo, mma_v2(av, p_hi, acc))
+
+
+@gluon.jit
+def _softmax_tile(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i, tprev, offacc, B_L: gl.constexpr):
+    """One 16-token tile's online-softmax step from its raw dots and token scales/offsets (K: ts, to; V: tsv,
+    tov): the new (m, l), the tile's largest V token scale (acc's unit), the offsets' running sum, the factor
+    acc is rescaled by (alpha and the unit change) and p * tsv / tmax as hi + lo B operands."""
+    sc = dots * amax[None, :] * ts[:, None] + qsum[None, :] * to[:, None]
+    m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(sc - m_new[None, :])
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    tmax = gl.max(tsv, axis=0)
+    tmax = gl.where(tmax > 0, tmax, 1.0)
+    f = alpha * (tprev / tmax)          # the softmax's rescale and the unit change to this tile's
+    offacc = offacc * f + gl.sum(p * (tov / tmax)[:, None], axis=0)
+    p_hi, p_lo = _split16(p * (tsv / tmax)[:, None])
+    return m_new, l_i, tmax, offacc, f, gl.convert_layout(p_hi, B_L), gl.convert_layout(p_lo, B_L)
+
+
+@gluon.jit
+def _store_split(o_ptr, ml_ptr, acc0, acc1, m_i, l_i, vch0, vch1, slot0, QPK: gl.constexpr, NSPLIT: gl.constexpr,
+                 D: gl.constexpr, ROWS: gl.constexpr):
+    """A program's (acc, m, l) where the combine kernel reads them: row n's slot is slot0 + n NSPLIT."""
+    n = gl.arange(0, 8, layout=ROWS)
+    slot = (slot0 + n * NSPLIT).to(gl.int64)
+    gl.store(o_ptr + slot[None, :] * D + vch0[:, None], acc0, mask=(n < QPK)[None, :])
+    gl.store(o_ptr + slot[None, :] * D + vch1[:, None], acc1, mask=(n < QPK)[None, :])
+    gl.store(ml_ptr + slot * 2, m_i, mask=n < QPK)
+    gl.store(ml_ptr + slot * 2 + 1, l_i, mask=n < QPK)
 
 
 @gluon.jit
@@ -186,29 +223,201 @@ def decode_split_v4(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             dots = _k_chunk(kt + 24, q3, dots, A_L, PTX)
             ts = gl.load(f16_ptr + fb + K_TS // 2 + (t0 + tm) * HKV + h).to(gl.float32)
             to = gl.load(f16_ptr + fb + K_TO // 2 + (t0 + tm) * HKV + h).to(gl.float32)
-            sc = dots * amax[None, :] * ts[:, None] + qsum[None, :] * to[:, None]
-            m_new = gl.maximum(m_i, gl.max(sc, axis=0))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(sc - m_new[None, :])
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            m_i = m_new
             tsv = gl.load(f16_ptr + fb + V_TS // 2 + (t0 + tm) * HKV + h).to(gl.float32)
             tov = gl.load(f16_ptr + fb + V_TO // 2 + (t0 + tm) * HKV + h).to(gl.float32)
-            tmax = gl.max(tsv, axis=0)
-            tmax = gl.where(tmax > 0, tmax, 1.0)
-            f = alpha * (tprev / tmax)          # the softmax's rescale and the unit change to this tile's
-            tprev = tmax
-            offacc = offacc * f + gl.sum(p * (tov / tmax)[:, None], axis=0)
-            p_hi, p_lo = _split16(p * (tsv / tmax)[:, None])
-            p_hi = gl.convert_layout(p_hi, B_L)
-            p_lo = gl.convert_layout(p_lo, B_L)
+            m_i, l_i, tprev, offacc, f, p_hi, p_lo = _softmax_tile(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i,
+                                                                   tprev, offacc, B_L)
             acc0 = _v_half(vt, p_hi, p_lo, acc0 * f[None, :], A_L, PTX)
             acc1 = _v_half(vt + 4, p_hi, p_lo, acc1 * f[None, :], A_L, PTX)
         acc0 = (acc0 + offacc[None, :]) * (gl.load(vcs + vch0).to(gl.float32) * tprev)[:, None]
         acc1 = (acc1 + offacc[None, :]) * (gl.load(vcs + vch1).to(gl.float32) * tprev)[:, None]
-    n = gl.arange(0, 8, layout=ROWS)
-    slot = ((s * HQ + h * QPK + n) * NSPLIT + j).to(gl.int64)
-    gl.store(o_ptr + slot[None, :] * D + vch0[:, None], acc0, mask=(n < QPK)[None, :])
-    gl.store(o_ptr + slot[None, :] * D + vch1[:, None], acc1, mask=(n < QPK)[None, :])
-    gl.store(ml_ptr + slot * 2, m_i, mask=n < QPK)
-    gl.store(ml_ptr + slot * 2 + 1, l_i, mask=n < QPK)
+    _store_split(o_ptr, ml_ptr, acc0, acc1, m_i, l_i, vch0, vch1, (s * HQ + h * QPK) * NSPLIT + j, QPK, NSPLIT, D,
+                 ROWS)
+
+
+# ----------------------------------------------------------------------------- v5: v4 fed by a cp.async ring
+
+K_WORD = gl.constexpr(
+    "{ .reg .b32 t, m; mov.b32 m, 0x64006400; "
+    "lop3.b32 $0, $4, 0x000f000f, 0x64006400, 0xea; "
+    "shr.b32 t, $4, 8; lop3.b32 $1, t, 0x000f000f, 0x64006400, 0xea; "
+    "shr.b32 t, $4, 4; lop3.b32 $2, t, 0x000f000f, 0x64006400, 0xea; "
+    "shr.b32 t, $4, 12; lop3.b32 $3, t, 0x000f000f, 0x64006400, 0xea; "
+    "sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; sub.f16x2 $2, $2, m; sub.f16x2 $3, $3, m; }")
+"""One K code word (4 bytes, 8 nibbles) -> 8 fp16 as two outputs of 4 (pack 4: output 0 is $0 $1, output 1 $2 $3):
+the low nibbles, then the high ones, each as pairs (byte 0, byte 2), (byte 1, byte 3): (w >> s) & 0x000f000f |
+0x64006400 is fp16x2 (1024 + code) in one lop3, then one subtraction for two codes. 3 shifts, 4 lop3 and 4
+sub.f16x2 a word, where v4's per-byte PTX spends 7 instructions on four codes."""
+
+
+def _v_word_ptx() -> str:
+    """Two tokens' V code words (t in $16, t + 1 in $17; 16 crumbs each) -> 32 fp16 as four outputs of 8 (pack 8:
+    output c is $(4c) ... $(4c + 3)): byte-permute the words to [t.b0, t.b1, t1.b0, t1.b1] and [t.b2, t.b3,
+    t1.b2, t1.b3], then (x >> s) & 0x00030003 | 0x64006400 is (token t, token t + 1) of one crumb as fp16x2 -
+    the pair the P.V A operand holds in one register (its k is the token)."""
+    out = ["{ .reg .b32 lo, hi, t, m; mov.b32 m, 0x64006400; prmt.b32 lo, $16, $17, 0x5410; "
+           "prmt.b32 hi, $16, $17, 0x7632;"]
+    for crumb in range(4):
+        for k, (word, shift) in enumerate((("lo", 0), ("hi", 0), ("lo", 8), ("hi", 8))):
+            reg, shift = 4 * crumb + k, shift + 2 * crumb
+            src = f"shr.b32 t, {word}, {shift}; " if shift else ""
+            out.append(f"{src}lop3.b32 ${reg}, {'t' if shift else word}, 0x00030003, 0x64006400, 0xea; "
+                       f"sub.f16x2 ${reg}, ${reg}, m;")
+    return " ".join(out) + " }"
+
+
+V_WORDS = gl.constexpr(_v_word_ptx())
+"""_v_word_ptx(): output c's register 2 T0 + B1 holds crumb c of byte 2 B1 + T0 of tokens (t, t + 1)."""
+
+
+@gluon.jit
+def _k_words(raw, q, dots, A_L: gl.constexpr):
+    """One 64-channel chunk of a 16-token K tile (raw: [16, 4 (a), 8 (byte)] in K_CHUNK) unpacked a word at a
+    time (K_WORD) and dotted hi + lo; channel map: _q_chunk's WORDS order."""
+    lo, hi = gl.inline_asm_elementwise(K_WORD, "=r,=r,=r,=r,r", [raw], dtype=(gl.float16, gl.float16),
+                                       is_pure=True, pack=4)
+    # element 2 B0 + B1 of a word's four holds byte 2 B1 + B0 (lop3 pairs bytes 0 and 2): k = nib b2 B0 a1 a0 B1
+    a = gl.join(lo, hi).reshape([16, 4, 2, 2, 2, 2]).permute([0, 5, 2, 3, 1, 4]).reshape([16, 64])
+    a = gl.convert_layout(a, A_L, assert_trivial=True)
+    q_hi, q_lo = q
+    return mma_v2(a, q_lo, mma_v2(a, q_hi, dots))
+
+
+@gluon.jit
+def _v_words(raw, p_hi, p_lo, acc, A_L: gl.constexpr):
+    """One 128-channel half of a 16-token V tile (raw: [16 (T), 8 (x), 4 (byte)] in V_HALF) unpacked two tokens'
+    words at a time (V_WORDS), accumulated hi + lo into acc (rows R <-> channel 32 (R & 7) + 16 c + (R >> 3))."""
+    c0, c1, c2, c3 = gl.inline_asm_elementwise(V_WORDS, "=r," * 16 + "r,r", [raw],
+                                               dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+                                               is_pure=True, pack=8)
+    # element (T0, B1, B0) of output c holds token 2 (T >> 1) + B0, byte 2 B1 + T0, crumb c
+    v = gl.join(gl.join(c0, c1), gl.join(c2, c3)).reshape([8, 2, 8, 2, 2, 2, 2])
+    av = gl.convert_layout(v.permute([3, 1, 6, 5, 2, 0, 4]).reshape([128, 16]), A_L, assert_trivial=True)
+    return mma_v2(av, p_lo, mma_v2(av, p_hi, acc))
+
+
+@gluon.jit
+def _ring_fill(ks, vs, ss, slot, kp, vp, sp, K_TS: gl.constexpr, K_TO: gl.constexpr, V_TS: gl.constexpr,
+               V_TO: gl.constexpr):
+    """One tile into ring slot ``slot`` by cp.async: K codes (4 chunks from kp), V codes (2 halves from vp), the
+    four token-scale vectors [16 tokens, all heads] from sp; one commit group. Each thread copies exactly the
+    code bytes it later reads (K_CHUNK / V_HALF both ways), so codes need no barrier; the scales are read by
+    other lanes than copy them (the compiler's barrier after the wait covers it)."""
+    _copy(ks.index(slot * 4 + 0), kp)
+    _copy(ks.index(slot * 4 + 1), kp + 8)
+    _copy(ks.index(slot * 4 + 2), kp + 16)
+    _copy(ks.index(slot * 4 + 3), kp + 24)
+    _copy(vs.index(slot * 2 + 0), vp)
+    _copy(vs.index(slot * 2 + 1), vp + 4)
+    _copy(ss.index(slot * 4 + 0), sp + K_TS // 2)
+    _copy(ss.index(slot * 4 + 1), sp + K_TO // 2)
+    _copy(ss.index(slot * 4 + 2), sp + V_TS // 2)
+    _copy(ss.index(slot * 4 + 3), sp + V_TO // 2)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _ring_scale(ss, i, hsel, SC_RD: gl.constexpr, ROWS16: gl.constexpr):
+    """Ring entry i of the token scales [16 tokens, 4 heads] -> this head's 16 as fp32 in the scores' row layout."""
+    x = ss.index(i).load(SC_RD).to(gl.float32)
+    return gl.convert_layout(gl.sum(gl.where(hsel, x, 0.0), axis=1), ROWS16)
+
+
+@gluon.jit
+def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_ptr, ml_ptr, page_bytes, gps,
+                    K_CODES: gl.constexpr, K_TS: gl.constexpr, K_TO: gl.constexpr, K_CS: gl.constexpr,
+                    V_CODES: gl.constexpr, V_TS: gl.constexpr, V_TO: gl.constexpr, V_CS: gl.constexpr,
+                    HKV: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, T: gl.constexpr,
+                    NSPLIT: gl.constexpr, STAGES: gl.constexpr):
+    """v4's program (s, h, j) with every tile's codes and token scales copied STAGES - 1 tiles ahead into a ring
+    of shared memory (cp.async), so no global load waits in the token loop; codes unpacked a word at a time."""
+    gl.static_assert(D == 256, "v5's channel maps are for head_dim 256")
+    gl.static_assert(QPK <= 8, "v5 holds a KV head's query rows in the mma's 8 columns")
+    gl.static_assert(HKV == 4, "v5 reads a tile's token scales as [16 tokens, 4 heads]")
+    gl.static_assert(STAGES >= 2 and STAGES <= T // 16 + 1, "the ring looks ahead at most one group")
+    A_L: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B_L: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    ROWS: gl.constexpr = gl.SliceLayout(0, MMA)
+    ROWS16: gl.constexpr = gl.SliceLayout(1, MMA)
+    HQ: gl.constexpr = HKV * QPK
+    RING: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    SC_CP: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [1, 1], [1, 0])
+    SC_RD: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]], warp_bases=[],
+        block_bases=[], shape=[16, 4])
+    s = gl.program_id(0)
+    h = gl.program_id(1)
+    j = gl.program_id(2)
+    g0 = j * gps
+    g1 = gl.minimum(g0 + gps, gl.load(ngroups_ptr + s))
+    kb = gl.arange(0, D // 4, layout=gl.SliceLayout(1, B_L))
+    nb = gl.arange(0, 8, layout=gl.SliceLayout(0, B_L))
+    qrow = qr_ptr + (s * HQ + h * QPK + nb).to(gl.int64)[None, :] * D
+    qmask = (nb < QPK)[None, :]
+    tk = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, K_CHUNK)))[:, None, None]
+    ak = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, K_CHUNK)))[None, :, None]
+    ck = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, K_CHUNK)))[None, None, :]
+    kofs = K_CODES + (tk * HKV + h) * (D // 2) + 32 * ak + ck
+    tv = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, V_HALF)))[:, None, None]
+    xv = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, V_HALF)))[None, :, None]
+    yv = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_HALF)))[None, None, :]
+    vofs = V_CODES + (tv * HKV + h) * (D // 4) + 8 * xv + yv
+    sofs = (gl.arange(0, 16, layout=gl.SliceLayout(1, SC_CP))[:, None] * HKV
+            + gl.arange(0, HKV, layout=gl.SliceLayout(0, SC_CP))[None, :])
+    hsel = gl.arange(0, HKV, layout=gl.SliceLayout(0, SC_RD))[None, :] == h
+    rv = gl.arange(0, D // 2, layout=gl.SliceLayout(1, MMA))
+    vch0 = ((rv & 7) << 5) | (rv >> 3)
+    vch1 = vch0 + 16
+    m_i = gl.full([8], float("-inf"), gl.float32, layout=ROWS)
+    l_i = gl.zeros([8], gl.float32, layout=ROWS)
+    acc0 = gl.zeros([D // 2, 8], gl.float32, layout=MMA)
+    acc1 = gl.zeros([D // 2, 8], gl.float32, layout=MMA)
+    ks = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, 16, 4, 8], RING)
+    vs = gl.allocate_shared_memory(gl.uint8, [STAGES * 2, 16, 8, 4], RING)
+    ss = gl.allocate_shared_memory(gl.float16, [STAGES * 4, 16, HKV], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    bt_row = bt_ptr + s.to(gl.int64) * stride_bt
+    # an empty program (g0 >= g1) fills its ring from page 0 and reads none of it
+    base = gl.load(bt_row + g0, mask=g0 < g1, other=0).to(gl.int64) * page_bytes
+    for i in gl.static_range(STAGES - 1):           # the first tiles, all in group g0
+        _ring_fill(ks, vs, ss, i, u8_ptr + base + i * 16 * HKV * (D // 2) + kofs,
+                   u8_ptr + base + i * 16 * HKV * (D // 4) + vofs, f16_ptr + base // 2 + i * 16 * HKV + sofs,
+                   K_TS, K_TO, V_TS, V_TO)
+    it = 0
+    for g in range(g0, g1):
+        fb = base // 2
+        base_n = gl.load(bt_row + gl.minimum(g + 1, g1 - 1)).to(gl.int64) * page_bytes   # the last group: itself
+        q0, q1, q2, q3, qsum, amax = _query(qrow, qmask, f16_ptr + fb + K_CS // 2 + h * D, kb, ROWS, True)
+        vcs = f16_ptr + fb + V_CS // 2 + h * D
+        acc0 = acc0 / gl.load(vcs + vch0).to(gl.float32)[:, None]   # into this group's units
+        acc1 = acc1 / gl.load(vcs + vch1).to(gl.float32)[:, None]
+        tprev = 1.0
+        offacc = gl.zeros([8], gl.float32, layout=ROWS)
+        for t0 in range(0, T, 16):
+            # tile it + STAGES - 1 (this group's or the next one's) into the slot tile it - 1 was read from
+            ahead = t0 + 16 * (STAGES - 1)
+            nxt = ahead // T
+            nbase = base + nxt * (base_n - base)
+            nt = ahead - nxt * T
+            _ring_fill(ks, vs, ss, (it + STAGES - 1) % STAGES, u8_ptr + nbase + nt * HKV * (D // 2) + kofs,
+                       u8_ptr + nbase + nt * HKV * (D // 4) + vofs, f16_ptr + nbase // 2 + nt * HKV + sofs,
+                       K_TS, K_TO, V_TS, V_TO)
+            async_copy.wait_group(STAGES - 1)        # tile it has landed
+            sl = it % STAGES
+            dots = gl.zeros([16, 8], gl.float32, layout=MMA)
+            dots = _k_words(ks.index(sl * 4 + 0).load(K_CHUNK), q0, dots, A_L)
+            dots = _k_words(ks.index(sl * 4 + 1).load(K_CHUNK), q1, dots, A_L)
+            dots = _k_words(ks.index(sl * 4 + 2).load(K_CHUNK), q2, dots, A_L)
+            dots = _k_words(ks.index(sl * 4 + 3).load(K_CHUNK), q3, dots, A_L)
+            m_i, l_i, tprev, offacc, f, p_hi, p_lo = _softmax_tile(
+                dots, amax, qsum, _ring_scale(ss, sl * 4 + 0, hsel, SC_RD, ROWS16),
+                _ring_scale(ss, sl * 4 + 1, hsel, SC_RD, ROWS16), _ring_scale(ss, sl * 4 + 2, hsel, SC_RD, ROWS16),
+                _ring_scale(ss, sl * 4 + 3, hsel, SC_RD, ROWS16), m_i, l_i, tprev, offacc, B_L)
+            acc0 = _v_words(vs.index(sl * 2 + 0).load(V_HALF), p_hi, p_lo, acc0 * f[None, :], A_L)
+            acc1 = _v_words(vs.index(sl * 2 + 1).load(V_HALF), p_hi, p_lo, acc1 * f[None, :], A_L)
+            it += 1
+        acc0 = (acc0 + offacc[None, :]) * (gl.load(vcs + vch0).to(gl.float32) * tprev)[:, None]
+        acc1 = (acc1 + offacc[None, :]) * (gl.load(vcs + vch1).to(gl.float32) * tprev)[:, None]
+        base = base_n
+    async_copy.wait_group(0)
+    _store_split(o_ptr, ml_ptr, acc0, acc1, m_i, l_i, vch0, vch1, (s * HQ + h * QPK) * NSPLIT + j, QPK, NSPLIT, D,
+                 ROWS)

@@ -722,14 +722,18 @@ def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device, pe
     return gps, math.ceil(max_groups / gps)
 
 
-DECODE_DEFAULTS = {"v1": (32, 8, None), "v2": (128, 8, None), "v3": (128, 8, 1), "v4": (16, 1, None)}
+DECODE_DEFAULTS = {"v1": (32, 8, None), "v2": (128, 8, None), "v3": (128, 8, 1), "v4": (16, 1, None),
+                   "v5": (16, 1, 4)}
 """Per decode variant: (block_t, num_warps, stages) when the caller gives none (stages None: Triton's default). v3 at
 (128, 8, 1) was the fastest config within the tests' bound of bench/scripts/kvarn_decode_sweep.py on an H100
-(2026-12-06, triton 3.6): 587.7 us at 8 x 32k against v2's 859.9 and v1's 997.2 in the same run. v4 (Gluon) has
-one tiling: 16-token tiles, one warp a program."""
+(2026-12-06, triton 3.6): 587.7 us at 8 x 32k against v2's 859.9 and v1's 997.2 in the same run. v4 and v5 (Gluon)
+have one tiling: 16-token tiles, one warp a program; v5's stages is the depth of its ring of tiles in shared memory
+(GLUON_STAGES: 2 ... 9, 3.5 KiB a tile)."""
 V4_SPLITS = (32, 256)
-"""v4's default split count: about V4_SPLITS[0] one-warp programs an SM, at most V4_SPLITS[1] splits (the other
-variants': 4 eight-warp programs an SM, at most 64). A first guess: the sweep's v4 split rows tune it on a GPU."""
+"""v4's and v5's default split count: about V4_SPLITS[0] one-warp programs an SM, at most V4_SPLITS[1] splits (the
+other variants': 4 eight-warp programs an SM, at most 64). A first guess: the sweep's v4 split rows tune it on a GPU."""
+GLUON_STAGES = range(2, 10)
+"""v5's ring depths: at least 2 (one tile read while the next lands), at most one group ahead (128 / 16 + 1)."""
 
 
 DEFAULT_VARIANT = "v3"
@@ -741,20 +745,29 @@ DEFAULT_UNPACK = "magic"
 
 
 def _load_gluon():
-    """kvarn_gluon.py (v4), loaded on first use: a host whose Triton lacks Gluon still runs v1-v3."""
+    """kvarn_gluon.py (v4, v5), loaded on first use: a host whose Triton lacks Gluon still runs v1-v3."""
     return _load_sibling("kvarn_gluon.py", "rig_kernel_kvarn_gluon", unpack_asm=UNPACK_PTX)
 
 
-def _check_v4(device: torch.device, block_t: int, num_warps: int, stages: int | None, maxnreg: int | None,
-              precise: str, unpack: str) -> None:
-    """v4's refusals, before anything launches: CUDA only (Gluon has no interpreter), its one tiling, no cvt."""
+def _check_gluon(variant: str, device: torch.device, block_t: int, num_warps: int, stages: int | None,
+                 maxnreg: int | None, precise: str, unpack: str) -> None:
+    """v4's and v5's refusals, before anything launches: CUDA only (Gluon has no interpreter), one tiling; v4
+    unpacks by "magic" or "ptx", v5 by its own word-at-a-time PTX (unpack left out) with a ring of 2 ... 9 tiles."""
     if device.type != "cuda":
-        raise ValueError(f"variant 'v4' is a Gluon kernel, compiled for CUDA only (q is on {device}); use 'v3'")
-    if (block_t, num_warps, stages, maxnreg, precise) != (*DECODE_DEFAULTS["v4"], None, "kv"):
-        raise ValueError("variant 'v4' has one tiling (16-token tiles, one warp, hi + lo dots): leave block_t, "
-                         "num_warps, stages, maxnreg and precise out")
-    if unpack not in ("magic", "ptx"):
+        raise ValueError(f"variant {variant!r} is a Gluon kernel, compiled for CUDA only (q is on {device}); use 'v3'")
+    block, warps, _ = DECODE_DEFAULTS[variant]
+    if (block_t, num_warps, maxnreg, precise) != (block, warps, None, "kv") or (variant == "v4" and stages):
+        knobs = "block_t, num_warps, stages, maxnreg and precise" if variant == "v4" else \
+            "block_t, num_warps, maxnreg and precise (stages: the ring's depth)"
+        raise ValueError(f"variant {variant!r} has one tiling (16-token tiles, one warp, hi + lo dots): leave {knobs} "
+                         "out")
+    if variant == "v5" and stages not in GLUON_STAGES:
+        raise ValueError(f"stages {stages}: v5's ring holds {GLUON_STAGES.start} ... {GLUON_STAGES.stop - 1} tiles")
+    if variant == "v4" and unpack not in ("magic", "ptx"):
         raise ValueError(f"unpack {unpack!r}: variant 'v4' unpacks by 'magic' or 'ptx'")
+    if variant == "v5" and unpack != DEFAULT_UNPACK:
+        raise ValueError(f"unpack {unpack!r}: variant 'v5' unpacks whole code words in its own PTX (leave unpack "
+                         "out)")
 
 
 def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, n_groups: torch.Tensor,
@@ -774,7 +787,9 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     rotated=False reads the plain-RTN layout (no query rotation).
     Launches: query rotation, split kernel (when any group is full), combine + tail, un-rotation.
 
-    variant: "v4" (kvarn_gluon.decode_split_v4, a Gluon kernel: codes straight from global memory into
+    variant: "v5" (kvarn_gluon.decode_split_v5: v4 fed by a ring of ``stages`` tiles (default 4) that cp.async
+    fills ahead in shared memory, codes unpacked a word at a time; compiled CUDA only, no other knob but splits),
+    "v4" (kvarn_gluon.decode_split_v4, a Gluon kernel: codes straight from global memory into
     tensor-core operands, one warp a program, no shared memory; compiled CUDA only, ``unpack`` "magic" or
     "ptx", no other knob but splits), "v3" (the default; _decode_split_kernel_v3: codes read as stored,
     K's as the large dot operand, the query's per-group work once a group; defaults block_t 128, 8 warps, 1 stage;
@@ -798,11 +813,11 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         raise ValueError(f"block_t {block_t}: a power of two >= 16 dividing {layout.group}")
     if unpack not in UNPACKS:
         raise ValueError(f"unpack {unpack!r}: one of {sorted(UNPACKS)}")
-    if unpack != DEFAULT_UNPACK and variant not in ("v3", "v4"):
+    if unpack != DEFAULT_UNPACK and variant not in ("v3", "v4", "v5"):
         raise ValueError(f"unpack {unpack!r} is a v3/v4 knob; variant {variant!r} unpacks its own way (leave unpack "
                          "out)")
-    if variant == "v4":
-        _check_v4(q.device, block_t, num_warps, stages, maxnreg, precise, unpack)
+    if variant in ("v4", "v5"):
+        _check_gluon(variant, q.device, block_t, num_warps, stages, maxnreg, precise, unpack)
     if unpack == "ptx" and q.device.type != "cuda":
         raise ValueError(f"unpack {unpack!r} is inline PTX: CUDA tensors only (q is on {q.device}); use 'magic'")
     if maxnreg is not None and not 32 <= maxnreg <= 255:
@@ -817,7 +832,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         raise ValueError("tail_k and tail_v must share strides with contiguous [heads, dim] rows")
     qpk = hq // hkv
     qp = (q.float() * (LOG2E / math.sqrt(d))).contiguous()
-    gps, nsplit = _splits(s_, hkv, max_groups, q.device, *(V4_SPLITS if variant == "v4" else ()))
+    gps, nsplit = _splits(s_, hkv, max_groups, q.device, *(V4_SPLITS if variant in ("v4", "v5") else ()))
     if splits is not None and max_groups > 0:
         gps = math.ceil(max_groups / max(1, min(splits, max_groups)))
         nsplit = math.ceil(max_groups / gps)
@@ -837,6 +852,9 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
             kw["MAGIC"] = UNPACKS[unpack]
         if variant == "v4":
             kernel, kw["PTX"] = _load_gluon().decode_split_v4, unpack == "ptx"
+            del kw["BLOCK_G"], kw["BLOCK_T"]
+        if variant == "v5":
+            kernel, kw["STAGES"], stages = _load_gluon().decode_split_v5, stages, None
             del kw["BLOCK_G"], kw["BLOCK_T"]
         if stages is not None:
             kw["num_stages"] = stages
