@@ -385,8 +385,10 @@ def platform_needs(platform: str, model: str) -> tuple[dict[str, str], list[str]
 
     On CPU a quantized checkpoint (a ``quantization_config`` in its config.json) runs vLLM's CPU W4A16
     linear kernel, and beside it vLLM's AMX attention kernel killed the worker with SIGILL on an AMX
-    host (patch cpu-attn-amx-off, docs/patches.md): such a model gets the vector attention kernel. It is
-    set on every CPU host, AMX or not, so that a plan never depends on the host's ISA.
+    host (patch cpu-attn-amx-off, docs/patches.md): such a model gets the vector attention kernel. Where
+    vLLM's CPU build has no W4A16 kernel (its AVX2 build) the layers multiply dequantized weights instead
+    (patch cpu-wna16-dense-fallback, VLLM_RIG_CPU_WNA16_DENSE=1). Both are asked on every CPU host,
+    whatever its ISA, so that a plan never depends on the host's ISA.
     """
     if platform != "cpu":
         return {}, []
@@ -394,7 +396,8 @@ def platform_needs(platform: str, model: str) -> tuple[dict[str, str], list[str]
 
     if not quantized_checkpoint(Path(model)):
         return {}, []
-    return {"VLLM_RIG_CPU_ATTN_AMX": "0"}, ["cpu-attn-amx-off"]
+    return ({"VLLM_RIG_CPU_ATTN_AMX": "0", "VLLM_RIG_CPU_WNA16_DENSE": "1"},
+            ["cpu-attn-amx-off", "cpu-wna16-dense-fallback"])
 
 
 def resolve(profile: str, overlays: Sequence[str] = (), platform: str | None = None,

@@ -229,17 +229,6 @@ def check_host_memory(plan: Plan, model: Path) -> None:
         raise PreflightError(why)
 
 
-def check_cpu_kernels(plan: Plan, model: Path) -> None:
-    """On CPU a W4A16 model needs vLLM's W4A16 kernel, which its AVX2 build lacks: refuse before starting."""
-    if plan.platform != "cpu":
-        return
-    from rig.capacity import cpuisa
-
-    why = cpuisa.w4a16_refusal(model)
-    if why:
-        raise PreflightError(why)
-
-
 def connect_host(plan: Plan) -> str:
     """Where we reach the server: its HOST, or loopback when it binds every interface."""
     return "127.0.0.1" if plan.knobs["HOST"] in ("0.0.0.0", "::") else plan.knobs["HOST"]
@@ -260,7 +249,6 @@ def preflight(plan: Plan) -> tuple[Device, Path, Path, str]:
     model = ensure_model(plan)
     check_checkpoints(plan)
     check_host_memory(plan, model)
-    check_cpu_kernels(plan, model)
     key_path, key = ensure_api_key(plan)
     return dev, model, key_path, key
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rig import paths
 from rig.models import fixture
 
 REAL = fixture.FixtureSpec("qwen3.5-27b-class")
@@ -91,40 +90,14 @@ def test_same_spec_gives_byte_identical_files_and_tampering_is_caught(small, tmp
     assert ids == set(range(SMALL["vocab_size"]))  # every id the random lm_head can pick decodes
 
 
-@pytest.mark.slow  # one vLLM CPU server (~60-90 s)
-def test_a_w4a16_model_is_refused_on_a_cpu_without_the_kernel_and_served_where_it_is(small, tmp_path, monkeypatch):
-    """serve's preflight asks the ops build vLLM loads on this host (rig/capacity/cpuisa.py); answered both ways
-    here, so the check is the same on every host: without the W4A16 kernel a quantized checkpoint is refused
-    with the reason and the way out, before anything starts; a 16-bit model never is; with the kernel neither."""
-    from conftest import cpu_plan
-
-    from rig.capacity import cpuisa
-    from rig.serve import PreflightError, check_cpu_kernels
-
-    plan = cpu_plan("batch", tmp_path, MODEL=str(small), MAX_LEN="2048", KV_MEM="256M")
-    monkeypatch.setattr(cpuisa, "has_w4a16_kernel", lambda: False)
-    with pytest.raises(PreflightError, match=r"a W4A16 checkpoint .* no W4A16 kernel: it loads its AVX2 ops here "
-                                             r".* lack cpu_gemm_wna16, .* Serve a 16-bit model on this host"):
-        check_cpu_kernels(plan, small)
-    check_cpu_kernels(plan, paths.ROOT / "models" / "trained" / "tiny-hybrid")
-    monkeypatch.setattr(cpuisa, "has_w4a16_kernel", lambda: True)
-    check_cpu_kernels(plan, small)
-
-
 def test_vllm_loads_it_through_the_inc_path_and_generates(small, tmp_path):
     """vLLM 0.28 (CPU build) serves the W4A16 fixture: quantization=inc, --ignore-eos tokens come back. On a host
-    whose vLLM CPU build has no W4A16 kernel (AVX2 only) serve refuses it before starting, naming why."""
+    whose vLLM CPU build has no W4A16 kernel (AVX2 only) it serves through the dense fallback (patch
+    cpu-wna16-dense-fallback, which the plan asks for)."""
     from conftest import cpu_plan, start_server
 
-    from rig.capacity import cpuisa
-    from rig.serve import PreflightError
-
     plan = cpu_plan("batch", tmp_path, MODEL=str(small), MAX_LEN="2048", KV_MEM="256M")
-    if not cpuisa.has_w4a16_kernel():
-        with pytest.raises(PreflightError, match="has no W4A16 kernel"):
-            start_server(plan, tmp_path)
-        pytest.skip("this host's vLLM CPU build has no W4A16 kernel (AVX2 ops): the refusal was checked, "
-                    "serving W4A16 needs an AVX-512 host")
+    assert "cpu-wna16-dense-fallback" in plan.patches
     server = start_server(plan, tmp_path)
     try:
         body = {"model": plan.served_name, "prompt": "Oslo", "max_tokens": 12, "ignore_eos": True}

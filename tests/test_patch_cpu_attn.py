@@ -58,4 +58,6 @@ def test_the_plan_asks_for_it_for_a_quantized_model_on_cpu_only(tmp_path, platfo
         sets["GPU_ARCH"] = "sm86"
     plan = resolve("batch", platform=platform, environ={}, sets=sets)
     assert ("cpu-attn-amx-off" in plan.patches) is asked
+    assert ("cpu-wna16-dense-fallback" in plan.patches) is asked  # and the W4A16 fallback for an AVX2 build
+    assert plan.env.get("VLLM_RIG_CPU_WNA16_DENSE") == ("1" if asked else None)
     assert plan.env.get("VLLM_RIG_CPU_ATTN_AMX") == ("0" if asked else None)

@@ -267,6 +267,7 @@ COMPILE_FACTORS = {
     "VLLM_RIG_PREFILL_ATTN": ("int8", False),  # inside the attention op, which compiled graphs call opaquely
     "VLLM_RIG_KERNELS_DIR": ("/opt/rig/kernels", False),
     "VLLM_RIG_CPU_ATTN_AMX": ("0", True),  # which attention kernel the CPU backend builds into what it runs
+    "VLLM_RIG_CPU_WNA16_DENSE": ("1", True),  # which matmul a W4A16 layer runs in the graph (AVX2 build)
     "VLLM_RIG_KVARN_DIR": ("/opt/rig/kernels/kvarn", False),  # where the backend's file is; the dtype is hashed
     "VLLM_RIG_KVARN_METHOD": ("rtn", False),  # inside the attention op, which compiled graphs call opaquely
 }
