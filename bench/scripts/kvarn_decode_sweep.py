@@ -77,15 +77,13 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20, help="timed iterations (median)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny size, 3 configs, CPU in Triton's interpreter")
-    ap.add_argument("--only", default="", help="only the configs of these variants (v1 ... v5, comma-separated), "
-                                               "or only CONFIGS[N] for a number N (e.g. one kernel under a profiler)")
+    ap.add_argument("--only", default="", help="comma-separated: variants (v1 ... v5: all their configs) and numbers "
+                                               "N (CONFIGS[N], e.g. one kernel under a profiler); default all")
     a = ap.parse_args()
-    if a.only.isdigit():
-        configs = CONFIGS[int(a.only):int(a.only) + 1]
-    else:
-        variants = set(a.only.split(",")) if a.only else {c["variant"] for c in CONFIGS}
-        configs = [c for c in CONFIGS if c["variant"] in variants]
-    if not configs:
+    picks = [x for x in a.only.split(",") if x]
+    configs = [c for i, c in enumerate(CONFIGS) if not picks or c["variant"] in picks or str(i) in picks]
+    known = {c["variant"] for c in CONFIGS} | {str(i) for i in range(len(CONFIGS))}
+    if not configs or any(x not in known for x in picks):
         print(f"--only {a.only}: no such config; variants (v1 ... v5) or an index below {len(CONFIGS)}",
               file=sys.stderr)
         return 2
