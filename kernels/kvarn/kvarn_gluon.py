@@ -1,4 +1,4 @@
-"""KVarN decode split kernel v4, in Gluon (triton.experimental.gluon): layouts chosen by the kernel, not by Triton.
+"""KVarN decode split kernels v4 and v5, in Gluon (triton.experimental.gluon): layouts chosen by the kernel.
 
 Why a second language: v3 (kvarn_triton._decode_split_kernel_v3) spends its time moving codes through shared
 memory (47 barriers a 128-token group, 1-2-byte shared loads) because plain Triton picks the register layout
@@ -25,8 +25,16 @@ Its output is v3's (o [S, HQ, NSPLIT, D] unnormalized, natural channel order; ml
 kvarn_triton's combine kernel reads it unchanged. Gluon has no interpreter: v4 runs compiled on CUDA only
 (sm80 and later: mma_v2), and the CPU tests compile it for sm86 and sm90 (kvarn_compile_check.py).
 
+v5 (decode_split_v5) is v4's math fed differently. At 255 registers a thread ptxas serialises v4's loads
+within a tile (about five dependent global round trips a 16-token tile: K in three batches, then the token
+scales and V after the score mma), with 8 one-warp programs an SM to hide them. v5 copies each tile's codes
+and token scales into a ring of STAGES tiles in shared memory with cp.async, STAGES - 1 tiles ahead (into the
+next group's page near a group's end), so no global load waits in the token loop; each thread copies exactly
+the code bytes it later reads, so only the scales (read by other lanes) need the compiler's one barrier a
+tile. It unpacks a 32-bit code word at a time (K_WORD, V_WORDS), with the channel maps that order implies.
+
 kvarn_triton loads this file and sets ``unpack_asm`` (its four-codes-at-a-time PTX by (shift, mask)) before
-running it, so both kernels unpack with the same instructions. Written for this repo; no code was copied.
+running it, so v3 and v4 unpack with the same instructions. Written for this repo; no code was copied.
 """
 
 from __future__ import annotations
