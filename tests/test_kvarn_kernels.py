@@ -330,6 +330,7 @@ def _decode_check(kt, cache, q: torch.Tensor, kv, device: str, where: str, same_
     return res
 
 
+GLUON_V5 = pytest.param({"variant": "v5"}, id="v5")
 DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"variant": "v2"}, id="v2"),
                    pytest.param({}, id="v3"), pytest.param({"variant": "v4"}, id="v4"),
                    pytest.param({"variant": "v2", "precise": "k"}, id="v2-precise-k"),
@@ -338,7 +339,7 @@ DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"vari
                                 id="v3-cvt-k-block64"),
                    pytest.param({"variant": "v3", "unpack": "ptx"}, id="v3-ptx"),
                    pytest.param({"variant": "v4", "unpack": "ptx"}, id="v4-ptx"),
-                   pytest.param({"variant": "v5"}, id="v5"), pytest.param({"variant": "v5", "stages": 2}, id="v5-s2")]
+                   GLUON_V5, pytest.param({"variant": "v5", "stages": 2}, id="v5-s2")]
 """decode_attention's split kernels (and their knobs) that every decode check runs: v3 is the default; the first
 four are four kernels at their defaults. unpack "ptx" (inline PTX), v4 and v5 (Gluon): compiled (CUDA) runs only."""
 
@@ -378,7 +379,7 @@ def test_decode_negative_control_reader_without_rotation_fails(dev, variant):
     assert rel > 100 * DECODE_BOUND, f"unrotated read passed ({rel}): the check would not catch it, seed {seed}"
 
 
-@pytest.mark.parametrize("variant", DECODE_VARIANTS[:5])
+@pytest.mark.parametrize("variant", [*DECODE_VARIANTS[:5], GLUON_V5])
 def test_decode_plain_rtn_layout(dev, variant):
     """The baseline layout (no rotation, channel scales 1) read with rotated=False matches its reference."""
     kt, device = dev
@@ -580,7 +581,7 @@ def test_the_vllm_backends_triton_engine_is_attention_over_its_pages(dev, method
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", DECODE_VARIANTS[:5])
+@pytest.mark.parametrize("variant", [*DECODE_VARIANTS[:5], GLUON_V5])
 @pytest.mark.parametrize("length", [8192, 32768])
 def test_decode_gpu_scale_eight_sequences(length, variant):
     """8 sequences of ~length tokens (ragged), fp16 query, default splits: vs fp32 attention over the kernel's
