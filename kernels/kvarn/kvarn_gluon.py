@@ -173,6 +173,31 @@ def _store_split(o_ptr, ml_ptr, acc0, acc1, m_i, l_i, vch0, vch1, slot0, QPK: gl
 
 
 @gluon.jit
+def _program(qr_ptr, ngroups_ptr, gps, HQ: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, B_L: gl.constexpr):
+    """Program (s, h, j)'s identity: its sequence, KV head and split, its groups [g0, g1), and where its query
+    rows are (the B operand's channel index kb, row pointers, the mask of real rows among the mma's 8)."""
+    s = gl.program_id(0)
+    h = gl.program_id(1)
+    j = gl.program_id(2)
+    g0 = j * gps
+    g1 = gl.minimum(g0 + gps, gl.load(ngroups_ptr + s))
+    kb = gl.arange(0, D // 4, layout=gl.SliceLayout(1, B_L))
+    nb = gl.arange(0, 8, layout=gl.SliceLayout(0, B_L))
+    qrow = qr_ptr + (s * HQ + h * QPK + nb).to(gl.int64)[None, :] * D
+    return s, h, j, g0, g1, kb, qrow, (nb < QPK)[None, :]
+
+
+@gluon.jit
+def _run_start(D: gl.constexpr, ROWS: gl.constexpr):
+    """An empty run: the V channels of acc's rows (two halves), m = -inf, l = 0, acc = 0."""
+    rv = gl.arange(0, D // 2, layout=gl.SliceLayout(1, MMA))
+    vch0 = ((rv & 7) << 5) | (rv >> 3)
+    return (vch0, vch0 + 16, gl.full([8], float("-inf"), gl.float32, layout=ROWS),
+            gl.zeros([8], gl.float32, layout=ROWS), gl.zeros([D // 2, 8], gl.float32, layout=MMA),
+            gl.zeros([D // 2, 8], gl.float32, layout=MMA))
+
+
+@gluon.jit
 def decode_split_v4(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_ptr, ml_ptr, page_bytes, gps,
                     K_CODES: gl.constexpr, K_TS: gl.constexpr, K_TO: gl.constexpr, K_CS: gl.constexpr,
                     V_CODES: gl.constexpr, V_TS: gl.constexpr, V_TO: gl.constexpr, V_CS: gl.constexpr,
@@ -186,15 +211,7 @@ def decode_split_v4(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     B_L: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     ROWS: gl.constexpr = gl.SliceLayout(0, MMA)
     HQ: gl.constexpr = HKV * QPK
-    s = gl.program_id(0)
-    h = gl.program_id(1)
-    j = gl.program_id(2)
-    g0 = j * gps
-    g1 = gl.minimum(g0 + gps, gl.load(ngroups_ptr + s))
-    kb = gl.arange(0, D // 4, layout=gl.SliceLayout(1, B_L))
-    nb = gl.arange(0, 8, layout=gl.SliceLayout(0, B_L))
-    qrow = qr_ptr + (s * HQ + h * QPK + nb).to(gl.int64)[None, :] * D
-    qmask = (nb < QPK)[None, :]
+    s, h, j, g0, g1, kb, qrow, qmask = _program(qr_ptr, ngroups_ptr, gps, HQ, QPK, D, B_L)
     tk = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, K_CHUNK)))[:, None, None]
     ak = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, K_CHUNK)))[None, :, None]
     ck = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, K_CHUNK)))[None, None, :]
@@ -204,13 +221,7 @@ def decode_split_v4(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     yv = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_HALF)))[None, None, :]
     vbyte = 8 * xv + yv
     tm = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    rv = gl.arange(0, D // 2, layout=gl.SliceLayout(1, MMA))
-    vch0 = ((rv & 7) << 5) | (rv >> 3)
-    vch1 = vch0 + 16
-    m_i = gl.full([8], float("-inf"), gl.float32, layout=ROWS)
-    l_i = gl.zeros([8], gl.float32, layout=ROWS)
-    acc0 = gl.zeros([D // 2, 8], gl.float32, layout=MMA)
-    acc1 = gl.zeros([D // 2, 8], gl.float32, layout=MMA)
+    vch0, vch1, m_i, l_i, acc0, acc1 = _run_start(D, ROWS)
     bt_row = bt_ptr + s.to(gl.int64) * stride_bt
     for g in range(g0, g1):
         base = gl.load(bt_row + g).to(gl.int64) * page_bytes
@@ -353,15 +364,7 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     SC_RD: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]], warp_bases=[],
         block_bases=[], shape=[16, 4])
-    s = gl.program_id(0)
-    h = gl.program_id(1)
-    j = gl.program_id(2)
-    g0 = j * gps
-    g1 = gl.minimum(g0 + gps, gl.load(ngroups_ptr + s))
-    kb = gl.arange(0, D // 4, layout=gl.SliceLayout(1, B_L))
-    nb = gl.arange(0, 8, layout=gl.SliceLayout(0, B_L))
-    qrow = qr_ptr + (s * HQ + h * QPK + nb).to(gl.int64)[None, :] * D
-    qmask = (nb < QPK)[None, :]
+    s, h, j, g0, g1, kb, qrow, qmask = _program(qr_ptr, ngroups_ptr, gps, HQ, QPK, D, B_L)
     tk = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, K_CHUNK)))[:, None, None]
     ak = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, K_CHUNK)))[None, :, None]
     ck = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, K_CHUNK)))[None, None, :]
@@ -373,13 +376,7 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     sofs = (gl.arange(0, 16, layout=gl.SliceLayout(1, SC_CP))[:, None] * HKV
             + gl.arange(0, HKV, layout=gl.SliceLayout(0, SC_CP))[None, :])
     hsel = gl.arange(0, HKV, layout=gl.SliceLayout(0, SC_RD))[None, :] == h
-    rv = gl.arange(0, D // 2, layout=gl.SliceLayout(1, MMA))
-    vch0 = ((rv & 7) << 5) | (rv >> 3)
-    vch1 = vch0 + 16
-    m_i = gl.full([8], float("-inf"), gl.float32, layout=ROWS)
-    l_i = gl.zeros([8], gl.float32, layout=ROWS)
-    acc0 = gl.zeros([D // 2, 8], gl.float32, layout=MMA)
-    acc1 = gl.zeros([D // 2, 8], gl.float32, layout=MMA)
+    vch0, vch1, m_i, l_i, acc0, acc1 = _run_start(D, ROWS)
     ks = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, 16, 4, 8], RING)
     vs = gl.allocate_shared_memory(gl.uint8, [STAGES * 2, 16, 8, 4], RING)
     ss = gl.allocate_shared_memory(gl.float16, [STAGES * 4, 16, HKV], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
