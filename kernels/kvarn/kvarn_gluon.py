@@ -198,6 +198,27 @@ def _run_start(D: gl.constexpr, ROWS: gl.constexpr):
 
 
 @gluon.jit
+def _group_open(f16_ptr, fb, h, qrow, qmask, kb, acc0, acc1, vch0, vch1, K_CS: gl.constexpr, V_CS: gl.constexpr,
+                D: gl.constexpr, ROWS: gl.constexpr, WORDS: gl.constexpr):
+    """A group's start: the query in its K channel scales (_query), and the running P.V sums moved into this
+    group's V channel units (they are kept in units of the current group's scales, see _group_close)."""
+    q0, q1, q2, q3, qsum, amax = _query(qrow, qmask, f16_ptr + fb + K_CS // 2 + h * D, kb, ROWS, WORDS)
+    vcs = f16_ptr + fb + V_CS // 2 + h * D
+    acc0 = acc0 / gl.load(vcs + vch0).to(gl.float32)[:, None]
+    acc1 = acc1 / gl.load(vcs + vch1).to(gl.float32)[:, None]
+    return q0, q1, q2, q3, qsum, amax, vcs, acc0, acc1
+
+
+@gluon.jit
+def _group_close(vcs, acc0, acc1, vch0, vch1, offacc, tprev):
+    """A group's end: the token-offset term added once and the sums scaled back by the V channel scales and the
+    last token scale, so the next group (or the store) sees true values."""
+    acc0 = (acc0 + offacc[None, :]) * (gl.load(vcs + vch0).to(gl.float32) * tprev)[:, None]
+    acc1 = (acc1 + offacc[None, :]) * (gl.load(vcs + vch1).to(gl.float32) * tprev)[:, None]
+    return acc0, acc1
+
+
+@gluon.jit
 def decode_split_v4(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_ptr, ml_ptr, page_bytes, gps,
                     K_CODES: gl.constexpr, K_TS: gl.constexpr, K_TO: gl.constexpr, K_CS: gl.constexpr,
                     V_CODES: gl.constexpr, V_TS: gl.constexpr, V_TO: gl.constexpr, V_CS: gl.constexpr,
@@ -226,10 +247,8 @@ def decode_split_v4(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     for g in range(g0, g1):
         base = gl.load(bt_row + g).to(gl.int64) * page_bytes
         fb = base // 2
-        q0, q1, q2, q3, qsum, amax = _query(qrow, qmask, f16_ptr + fb + K_CS // 2 + h * D, kb, ROWS)
-        vcs = f16_ptr + fb + V_CS // 2 + h * D
-        acc0 = acc0 / gl.load(vcs + vch0).to(gl.float32)[:, None]   # into this group's units
-        acc1 = acc1 / gl.load(vcs + vch1).to(gl.float32)[:, None]
+        q0, q1, q2, q3, qsum, amax, vcs, acc0, acc1 = _group_open(f16_ptr, fb, h, qrow, qmask, kb, acc0, acc1,
+                                                                 vch0, vch1, K_CS, V_CS, D, ROWS, False)
         tprev = 1.0
         offacc = gl.zeros([8], gl.float32, layout=ROWS)
         for t0 in range(0, T, 16):
@@ -248,8 +267,7 @@ def decode_split_v4(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
                                                                    tprev, offacc, B_L)
             acc0 = _v_half(vt, p_hi, p_lo, acc0 * f[None, :], A_L, PTX)
             acc1 = _v_half(vt + 4, p_hi, p_lo, acc1 * f[None, :], A_L, PTX)
-        acc0 = (acc0 + offacc[None, :]) * (gl.load(vcs + vch0).to(gl.float32) * tprev)[:, None]
-        acc1 = (acc1 + offacc[None, :]) * (gl.load(vcs + vch1).to(gl.float32) * tprev)[:, None]
+        acc0, acc1 = _group_close(vcs, acc0, acc1, vch0, vch1, offacc, tprev)
     _store_split(o_ptr, ml_ptr, acc0, acc1, m_i, l_i, vch0, vch1, (s * HQ + h * QPK) * NSPLIT + j, QPK, NSPLIT, D,
                  ROWS)
 
@@ -391,10 +409,8 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     for g in range(g0, g1):
         fb = base // 2
         base_n = gl.load(bt_row + gl.minimum(g + 1, g1 - 1)).to(gl.int64) * page_bytes   # the last group: itself
-        q0, q1, q2, q3, qsum, amax = _query(qrow, qmask, f16_ptr + fb + K_CS // 2 + h * D, kb, ROWS, True)
-        vcs = f16_ptr + fb + V_CS // 2 + h * D
-        acc0 = acc0 / gl.load(vcs + vch0).to(gl.float32)[:, None]   # into this group's units
-        acc1 = acc1 / gl.load(vcs + vch1).to(gl.float32)[:, None]
+        q0, q1, q2, q3, qsum, amax, vcs, acc0, acc1 = _group_open(f16_ptr, fb, h, qrow, qmask, kb, acc0, acc1,
+                                                                 vch0, vch1, K_CS, V_CS, D, ROWS, True)
         tprev = 1.0
         offacc = gl.zeros([8], gl.float32, layout=ROWS)
         for t0 in range(0, T, 16):
@@ -420,8 +436,7 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             acc0 = _v_words(vs.index(sl * 2 + 0).load(V_HALF), p_hi, p_lo, acc0 * f[None, :], A_L)
             acc1 = _v_words(vs.index(sl * 2 + 1).load(V_HALF), p_hi, p_lo, acc1 * f[None, :], A_L)
             it += 1
-        acc0 = (acc0 + offacc[None, :]) * (gl.load(vcs + vch0).to(gl.float32) * tprev)[:, None]
-        acc1 = (acc1 + offacc[None, :]) * (gl.load(vcs + vch1).to(gl.float32) * tprev)[:, None]
+        acc0, acc1 = _group_close(vcs, acc0, acc1, vch0, vch1, offacc, tprev)
         base = base_n
     async_copy.wait_group(0)
     _store_split(o_ptr, ml_ptr, acc0, acc1, m_i, l_i, vch0, vch1, (s * HQ + h * QPK) * NSPLIT + j, QPK, NSPLIT, D,
