@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rig import paths
+from rig.atomic import write_atomic, write_json
 
 SERIES_FILE = "series"
 HEADER_KEYS = ("Patch", "Kind", "Summary", "Upstream", "Cut-against", "Retires-when", "Env")
@@ -600,9 +601,7 @@ def _commit(root: Path, new: Tree, old: Tree, record: bytes | None) -> None:
         if record is None:
             record_path.unlink(missing_ok=True)
         else:
-            tmp = record_path.with_name(f".{RECORD_NAME}.tmp-{os.getpid()}")
-            tmp.write_bytes(record)
-            os.replace(tmp, record_path)
+            write_atomic(record_path, record)
     except BaseException:
         write_tree(root, {r: old[r] for r in written}, {r: new[r] for r in written})
         if old_record is not None:
@@ -712,9 +711,7 @@ def verify_report(root: Path | None = None, record: bool = True) -> tuple[bool, 
             "patches": {p.name: p.state for p in st.patches},
             "files": hashes,
         }
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(payload, indent=2) + "\n")
-        os.replace(tmp, out)
+        write_json(out, payload)
         text += f"\n  recorded in {out}"
     return st.all_applied, text
 

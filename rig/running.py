@@ -113,7 +113,7 @@ def record_path(port: int) -> Path:
 def write(plan: Any, server: Any) -> Path:
     """Record a ready server started by this process (atomically: a reader never sees half a record)."""
     from rig import fingerprint
-    from rig.bench.results import write_atomic
+    from rig.atomic import write_atomic
 
     key_file = Path(plan.api_key_file)
     key_file = key_file if key_file.is_absolute() else paths.ROOT / key_file

@@ -577,8 +577,8 @@ def passed(rows: list[Row]) -> bool:
 
 def write_report(rows: list[Row], plan: Plan, mode: Mode, root: Path | None = None) -> Path:
     """<results>/verify-<utc>.json: every row and the fingerprint, written beside and renamed."""
+    from rig.atomic import write_atomic
     from rig.fingerprint import collect
-    from rig.quality.report import write_atomic
 
     utc = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     report = {"schema_version": 1, "kind": "verify", "utc": utc, "passed": passed(rows), "mode": mode.kind,

@@ -70,7 +70,7 @@ def test_same_model_and_prompts_give_byte_identical_json(inv, tmp_path, capsys, 
     assert sorted(r["rank"] for r in report["layers"].values()) == list(range(1, 17))
     assert set(report["presets"]) == {"gate_up", "mlp", "."}
     assert report["presets"]["gate_up"]["count"] == 4 and report["presets"]["."]["count"] == 16
-    assert not list(tmp_path.glob(".*.tmp"))  # the atomic write left nothing behind
+    assert not list(tmp_path.glob(".*"))  # the atomic write left no temporary file behind
 
 
 @pytest.mark.parametrize(("args", "message"), [

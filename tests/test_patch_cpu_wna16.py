@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from rig import patches
+from rig.capacity import cpuisa
 
 patches.ensure_applied()
 
@@ -112,8 +113,7 @@ def test_without_the_op_an_asymmetric_layer_is_refused_at_load_naming_the_way_ou
 
 
 def test_with_the_op_nothing_changes_and_the_kernel_agrees_with_the_codes_values():
-    CpuPlatform.import_kernels()
-    if not hasattr(torch.ops._C, "cpu_gemm_wna16"):
+    if not cpuisa.has_w4a16_kernel():
         pytest.skip("this host's vLLM CPU build has no cpu_gemm_wna16 (AVX2 ops): the fallback tests above are "
                     "what runs here")
     kernel, layer, values, _ = _layer(7, 128, False)

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rig.bench.results import write_atomic  # noqa: E402
+from rig.atomic import write_atomic  # noqa: E402
 from rig.kernels import build as kbuild  # noqa: E402
 from rig.kernels import load_file  # noqa: E402
 

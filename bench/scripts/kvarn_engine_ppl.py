@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rig.bench.results import write_atomic  # noqa: E402
+from rig.atomic import write_atomic  # noqa: E402
 from rig.fingerprint import collect  # noqa: E402
 from rig.plan import resolve  # noqa: E402
 from rig.quality import suite  # noqa: E402

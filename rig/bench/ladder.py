@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from rig import paths
-from rig.bench.results import write_atomic
+from rig.atomic import write_atomic
 
 LADDER_FILE = paths.ROOT / "bench" / "reference" / "ladder.toml"
 

@@ -12,7 +12,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from rig.bench.results import CellResult, RunResult, write_atomic
+from rig.atomic import write_atomic
+from rig.bench.results import CellResult, RunResult
 
 
 class Progress:

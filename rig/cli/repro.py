@@ -63,7 +63,7 @@ def _table(cmp, a_name: str, b_name: str) -> None:
 
 
 def _save(fp: dict, dest: str) -> None:
-    from rig.quality.report import write_atomic
+    from rig.atomic import write_atomic
 
     write_atomic(Path(dest), json.dumps(fp, indent=2, sort_keys=True) + "\n")
     print(f"rig: wrote the fingerprint to {dest}")

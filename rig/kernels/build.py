@@ -19,7 +19,6 @@ running a build made elsewhere) keeps a CUDA part that is still fresh and refuse
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import shutil
 import subprocess
@@ -29,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rig.atomic import write_atomic
 from rig.kernels import build_folder, load, manifest, toolchain
 from rig.kernels import spec as kspec
 
@@ -330,19 +330,6 @@ def _reuse_cuda(name: str, spec: kspec.KernelSpec, folder: Path, archs: list[str
                      f"for {', '.join(archs)} exists in {out_dir}")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write a file so a reader sees the old content or the new, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def install(out_dir: Path, staged: list[Staged], m: manifest.Manifest) -> None:
     """Replace the build folder's content: manifest out, artefacts in (atomic renames), leftovers out, manifest in."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -354,14 +341,14 @@ def install(out_dir: Path, staged: list[Staged], m: manifest.Manifest) -> None:
             dest = out_dir / rel
             if src.resolve() == dest.resolve():
                 continue
-            _write_atomic(dest, src.read_bytes())
+            write_atomic(dest, src.read_bytes())
     for old in sorted(out_dir.rglob("*"), reverse=True):
         rel = old.relative_to(out_dir).as_posix()
         if old.is_file() and rel not in keep and rel != manifest.MANIFEST:
             old.unlink()
         elif old.is_dir() and not any(old.iterdir()):
             old.rmdir()
-    _write_atomic(out_dir / manifest.MANIFEST, m.to_json().encode())
+    write_atomic(out_dir / manifest.MANIFEST, m.to_json().encode())
 
 
 def build(name: str, archs_text: str = "", kernels_root: Path | None = None, build_root: Path | None = None,

@@ -11,13 +11,9 @@ torch and triton alone, and prefill_prepass_profile says itself when torch is mi
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import statistics
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -87,16 +83,6 @@ def versions() -> dict[str, str]:
     return {"device": torch.cuda.get_device_name(), "capability": "sm{}{}".format(*torch.cuda.get_device_capability()),
             "torch": torch.__version__, "cuda": str(torch.version.cuda), "triton": triton.__version__,
             "python": platform.python_version()}
-
-
-def write_json(path: Path, payload: dict) -> None:
-    """Write ``payload`` atomically (a temporary file in the same folder, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def positive_ints(flag: str) -> Callable[[str], list[int]]:

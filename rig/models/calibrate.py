@@ -27,7 +27,6 @@ rounded to 6 significant digits, sorted keys, no timing in the file.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rig import knobs
+from rig.atomic import write_json
 from rig.models import quantize
 
 OUTLIER_FACTOR = 6.0
@@ -293,9 +293,5 @@ def calibrate(model: str, recipe_ref: str = DEFAULT_RECIPE, limit: float = DEFAU
 
 
 def write(report: dict, out: Path) -> Path:
-    """Atomic JSON write (sorted keys): a temporary file beside ``out``, renamed over it."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out)
-    return out
+    """The report as JSON with sorted keys (same model and prompts -> same bytes), atomically."""
+    return write_json(out, report, sort_keys=True)

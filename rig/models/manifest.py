@@ -238,7 +238,7 @@ def to_toml(m: Manifest) -> str:
 
 def write(m: Manifest, path: Path) -> Path:
     """Write ``m`` atomically (beside, fsync, rename) and check that it reads back equal."""
-    from rig.quality.report import write_atomic
+    from rig.atomic import write_atomic
 
     text = to_toml(m)
     if Manifest(**tomllib.loads(text)) != m:

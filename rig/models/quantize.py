@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from rig import paths, tomlfile
+from rig.atomic import write_json
 from rig.models import corpus, tiny
 
 RECIPES = paths.ROOT / "models" / "recipes"
@@ -295,7 +295,7 @@ def quantize(recipe_path: Path, model: str, out: Path, log: Callable[[str], None
     work.mkdir(parents=True)
     try:
         record = _run(recipe, recipe_path, src, work, log)
-        _write_json(work / RECORD, record)
+        write_json(work / RECORD, record, sort_keys=True)
         work.rename(out)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -368,12 +368,6 @@ def _display(path: Path) -> str:
         return path.resolve().relative_to(paths.ROOT).as_posix()
     except ValueError:
         return str(path)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
 
 
 def record(folder: Path) -> dict:

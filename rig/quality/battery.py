@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from rig import paths
+from rig.atomic import write_json
 from rig.plan import Plan
 from rig.quality import digest, garbage, gates, lmeval, perplexity, requirements, suite, toolcall
 from rig.quality.client import Client, ServerRefused
@@ -313,12 +314,11 @@ def _server_info(server, record, url: str, key: str | None, plan: Plan) -> dict:
 def save_as_reference(result: dict, dest: Path, log: Callable = print) -> bool:
     """Write ``result`` as the model's reference — only when it passed every absolute gate: a reference
     that is itself garbage would make every later run "pass" relative to it."""
-    from rig.quality import report
 
     if not result["passed"]:
         log(f"quality: NOT saved as the reference ({result['summary']}): a reference must pass the absolute gates")
         return False
-    report.write_atomic(dest, json.dumps(result, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    write_json(dest, result, sort_keys=True, ensure_ascii=False)
     log(f"quality: saved as the reference of {result['model']['name']} / {result['battery']}: {dest}")
     return True
 

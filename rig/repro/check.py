@@ -215,8 +215,8 @@ def passed(results: list[CheckResult]) -> bool:
 
 def write_report(results: list[CheckResult], root: Path | None = None) -> Path:
     """results_dir()/repro-check-<utc>.json, written beside and renamed (never half a file)."""
+    from rig.atomic import write_atomic
     from rig.fingerprint import collect
-    from rig.quality.report import write_atomic
 
     utc = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     report = {"schema_version": 1, "kind": "repro-check", "utc": utc, "passed": passed(results),
