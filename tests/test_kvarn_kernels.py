@@ -504,8 +504,8 @@ def _attention_over_pages(r, pool, pages: list[int], k, v, q, ctx: int, rotated:
     return r.causal_attention(q, k_all, v_all, ctx)
 
 
-@pytest.mark.parametrize("method", ["kvarn", "rtn"])
-def test_the_vllm_backends_triton_engine_is_attention_over_its_pages(dev, method):
+@pytest.mark.parametrize(("method", "score_bytes"), [("kvarn", None), ("rtn", None), ("kvarn", 1)])
+def test_the_vllm_backends_triton_engine_is_attention_over_its_pages(dev, method, score_bytes, monkeypatch):
     """KvarnAttentionImpl.step_triton (the engine vLLM runs on CUDA: decodes batched on the packed pages, tails read
     in place by slot, chunks over device-dequantized pages, full groups quantized on the device) over steps of
     three requests in slots 4, 0, 2 of 5, pages scattered, decoding across the 512- and 128-token boundaries:
@@ -513,11 +513,16 @@ def test_the_vllm_backends_triton_engine_is_attention_over_its_pages(dev, method
     newer tokens, within DECODE_BOUND; every page holds its group as reference.quantize writes it (plain RTN:
     the same bytes; KVarN: within the write bound above); the tails hold the newest tokens as given; pages
     nobody owns are untouched. The torch engine is held to the reference in tests/test_kvarn_backend.py.
+    score_bytes 1: the chunk path's key blocks are one group each (CHUNK_SCORE_BYTES's floor), so a chunk folds
+    its pages, its tail and itself in several blocks (the 200-token chunk over 2 pages and a 44-token tail: 4
+    blocks) - the form a long context takes - and must give the same attention.
     Negative control: the same outputs against the exact context (no quantization) miss by far more."""
     pytest.importorskip("vllm", reason="the backend is vLLM's (kernels/kvarn/vllm_backend.py)")
     kt, device = dev
     r = kt.reference
     be = load_file(KERNEL_DIR / "vllm_backend.py", "vllm_rig_kvarn")
+    if score_bytes is not None:
+        monkeypatch.setattr(be, "CHUNK_SCORE_BYTES", score_bytes)
     seed = _fresh_seed()
     g = torch.Generator().manual_seed(seed)
     hq, hkv, d, grp, rot = 8, 4, 256, r.GROUP_TOKENS, method == "kvarn"
@@ -532,7 +537,7 @@ def test_the_vllm_backends_triton_engine_is_attention_over_its_pages(dev, method
     pool = torch.full((15, impl.page_bytes), 0xA5, dtype=torch.uint8, device=device)
     tail_k, tail_v = (torch.full((5, grp, hkv, d), float("nan"), dtype=torch.bfloat16, device=device)
                       for _ in range(2))
-    where = f"{method}, seed {seed}"
+    where = f"{method}, score_bytes {score_bytes}, seed {seed}"
     worst, exact_gap, seen = 0.0, 0.0, [0, 0, 0]
     old, be.METHOD = be.METHOD, method
     try:
