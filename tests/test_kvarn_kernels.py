@@ -513,7 +513,8 @@ def test_the_vllm_backends_triton_engine_is_attention_over_its_pages(dev, method
     newer tokens, within DECODE_BOUND; every page holds its group as reference.quantize writes it (plain RTN:
     the same bytes; KVarN: within the write bound above); the tails hold the newest tokens as given; pages
     nobody owns are untouched. The torch engine is held to the reference in tests/test_kvarn_backend.py.
-    score_bytes 1: the chunk path's key blocks are one group each (CHUNK_SCORE_BYTES's floor), so a chunk folds
+    score_bytes 1: the chunk path's key blocks (kvarn_triton.chunk_attention) are one group each (the floor of
+    CHUNK_SCORE_BYTES), so a chunk folds
     its pages, its tail and itself in several blocks (the 200-token chunk over 2 pages and a 44-token tail: 4
     blocks) - the form a long context takes - and must give the same attention.
     Negative control: the same outputs against the exact context (no quantization) miss by far more."""
@@ -521,8 +522,8 @@ def test_the_vllm_backends_triton_engine_is_attention_over_its_pages(dev, method
     kt, device = dev
     r = kt.reference
     be = load_file(KERNEL_DIR / "vllm_backend.py", "vllm_rig_kvarn")
-    if score_bytes is not None:
-        monkeypatch.setattr(be, "CHUNK_SCORE_BYTES", score_bytes)
+    if score_bytes is not None:                      # on the kernels module the backend runs
+        monkeypatch.setattr(be._kernels(), "CHUNK_SCORE_BYTES", score_bytes)
     seed = _fresh_seed()
     g = torch.Generator().manual_seed(seed)
     hq, hkv, d, grp, rot = 8, 4, 256, r.GROUP_TOKENS, method == "kvarn"

@@ -30,9 +30,10 @@ Kernels and why each exists:
   math) and merges it with the splits' (max, sum, acc) into the rotated and plain parts.
 * ``_dequant_kernel``: packed page -> rotated fp32 values (then ``_rotate_kernel`` -> fp16/bf16).
 
-Entry points: ``quantize_groups``, ``decode_attention``, ``dequantize_pages``,
-``prefill_attention`` and ``PagedKvarnCache`` (the host-side bookkeeping the tests use:
-pages, block tables, tails). Written for this repo; no code was copied.
+Entry points: ``quantize_groups``, ``decode_attention``, ``dequantize_pages``, ``chunk_attention``
+(a prompt chunk over its packed context, a block of pages at a time), ``prefill_attention`` and
+``PagedKvarnCache`` (the host-side bookkeeping the tests use: pages, block tables, tails). Written for
+this repo; no code was copied.
 """
 
 from __future__ import annotations
@@ -877,6 +878,75 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     return out
 
 
+# ----------------------------------------------------------------------------- a chunk over its packed context
+
+CHUNK_SCORE_BYTES = 256 << 20
+"""chunk_attention holds one block of fp32 scores, [query heads, chunk tokens, block keys], at most this big (a
+whole page at least): the key block is sized from it, so a chunk's memory does not grow with its context. (The
+vLLM backend's chunk path held its whole context dequantized and a dense mask until 2026-12-07: for a
+2,048-token chunk over 262,144 tokens 2 GiB of fp32 K/V and 512 MiB of mask, and 48 GiB of scores on SDPA's
+math path, for 24 query heads; in 256 MiB blocks it is 1,280 keys, 10 pages, at a time.)"""
+
+
+class ChunkAttention:
+    """Causal GQA attention of one chunk's queries, in float32, over keys given a block at a time (flash-style
+    running max, sum and output): nothing context-sized is ever held. Query i sits at position ``query_pos + i``
+    (add's argument); a block's keys at ``first_pos ...``."""
+
+    def __init__(self, q: torch.Tensor, kv_heads: int, scale: float):
+        n, hq, d = q.shape
+        self.n, self.hq, self.kv_heads, self.d = n, hq, kv_heads, d
+        # [kv heads, heads a kv head serves x chunk tokens, dim]: query head h uses kv head h // (hq / kv_heads)
+        self.q = (q.float() * scale).transpose(0, 1).reshape(kv_heads, hq // kv_heads * n, d)
+        rows = self.q.shape[1]
+        self.m = torch.full((kv_heads, rows), float("-inf"), dtype=torch.float32, device=q.device)
+        self.l = torch.zeros((kv_heads, rows), dtype=torch.float32, device=q.device)
+        self.acc = torch.zeros((kv_heads, rows, d), dtype=torch.float32, device=q.device)
+
+    def block_tokens(self, group: int) -> int:
+        """Keys a block may hold under CHUNK_SCORE_BYTES (read now, so a test can lower it): whole groups, >= 1."""
+        keys = CHUNK_SCORE_BYTES // (4 * self.hq * self.n)
+        return max(group, keys // group * group)
+
+    def add(self, k: torch.Tensor, v: torch.Tensor, first_pos: int, query_pos: int | None = None) -> None:
+        """Fold keys/values [L, kv heads, dim] in; with ``query_pos`` the block is masked causally."""
+        sc = torch.bmm(self.q, k.float().permute(1, 2, 0))             # [kv heads, rows, L]
+        if query_pos is not None:                                      # in place: one score block in memory
+            kpos = first_pos + torch.arange(k.shape[0], device=k.device)
+            qpos = query_pos + torch.arange(self.n, device=k.device)
+            sc.view(self.kv_heads, -1, self.n, k.shape[0]).masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
+        m_new = torch.maximum(self.m, sc.amax(dim=-1))
+        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))  # rows with nothing seen yet
+        p = sc.sub_(m_safe[..., None]).exp_()
+        alpha = torch.exp(self.m - m_safe)
+        self.l = self.l * alpha + p.sum(dim=-1)
+        self.acc = self.acc * alpha[..., None] + torch.bmm(p, v.float().transpose(0, 1))
+        self.m = m_new
+
+    def result(self) -> torch.Tensor:
+        """[chunk tokens, query heads, dim] (every query has seen at least its own key)."""
+        o = self.acc / self.l[..., None]
+        return o.view(self.hq, self.n, self.d).transpose(0, 1)
+
+
+def chunk_attention(q: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, fresh_k: torch.Tensor,
+                    fresh_v: torch.Tensor, ctx: int, layout: PageLayout = MODEL_LAYOUT, rotated: bool = True,
+                    scale: float | None = None) -> torch.Tensor:
+    """Causal attention, float32, of a chunk q [n, HQ, D] at positions ctx ... over its context and itself: the
+    packed groups in ``pages`` (int32 [ctx // group], dequantize_pages a block of pages at a time), then
+    fresh_k/v [ctx % group + n, HKV, D] (the unpacked tail, then the chunk's own keys), causally. Returns
+    [n, HQ, D] float32. scale: the softmax scale (None: 1 / sqrt(D))."""
+    att = ChunkAttention(q, layout.heads, scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    block = att.block_tokens(layout.group)
+    done = int(pages.numel())
+    for g0 in range(0, done, block // layout.group):
+        k, v = dequantize_pages(pool, pages[g0:g0 + block // layout.group], torch.float32, layout, rotated)
+        att.add(k, v, first_pos=g0 * layout.group)
+    for t0 in range(0, fresh_k.shape[0], block):
+        att.add(fresh_k[t0:t0 + block], fresh_v[t0:t0 + block], first_pos=done * layout.group + t0, query_pos=ctx)
+    return att.result()
+
+
 # ----------------------------------------------------------------------------- the paged cache (host side)
 
 class PagedKvarnCache:
@@ -958,20 +1028,13 @@ class PagedKvarnCache:
 
 def prefill_attention(cache: PagedKvarnCache, seq: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """Causal attention of a new chunk q, k, v [n, heads, dim] over seq's cached context plus itself; then cache it.
-
-    The cached context is dequantized to ``dtype`` by the Triton dequant kernel and the attention
-    is torch SDPA (any attention would do: the cache is plain fp16/bf16 K/V by then).
-    """
-    ck, cv = cache.context(seq, dtype)
-    kk = torch.cat([ck, k.to(dtype)])
-    vv = torch.cat([cv, v.to(dtype)])
-    n, ctx = q.shape[0], ck.shape[0]
-    pos_q = ctx + torch.arange(n, device=q.device)
-    mask = torch.arange(ctx + n, device=q.device)[None, :] <= pos_q[:, None]
-    rep = q.shape[1] // kk.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.to(dtype).transpose(0, 1), kk.repeat_interleave(rep, 1).transpose(0, 1),
-        vv.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask)
+    """Causal attention of a new chunk q, k, v [n, heads, dim] over seq's cached context plus itself (in ``dtype``;
+    chunk_attention, as the vLLM backend's chunk path does); then cache it."""
+    pages = cache.block_table[seq, :cache.host_groups[seq]]
+    held = cache.host_tail[seq]
+    fresh_k = torch.cat([cache.tail_k[seq, :held].float(), k.float()])
+    fresh_v = torch.cat([cache.tail_v[seq, :held].float(), v.float()])
+    ctx = cache.host_groups[seq] * cache.layout.group + held
+    out = chunk_attention(q, cache.pool, pages, fresh_k, fresh_v, ctx, cache.layout, cache.rotated)
     cache.append(seq, k, v)
-    return out.transpose(0, 1)
+    return out.to(dtype)

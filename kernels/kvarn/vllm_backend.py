@@ -26,8 +26,8 @@ How the format (reference.py) maps onto vLLM's cache (docs/kvarn.md, "The backen
   tail row, then ``decode_attention`` on the packed pages and the tails in place (the companions'
   rows, by slot), then ``quantize_groups`` for the tails that became full; each chunk of a prompt
   attends over its pages dequantized on the device (``dequantize_pages``) a block of pages at a time +
-  its tail + itself (``_ChunkAttention``: float32, a running max and sum across blocks, so memory is
-  bounded by CHUNK_SCORE_BYTES whatever the context), then its full groups are quantized on the device.
+  its tail + itself (``chunk_attention``: float32, a running max and sum across blocks, so memory is
+  bounded by its CHUNK_SCORE_BYTES whatever the context), then its full groups are quantized on the device.
   ``VLLM_RIG_KVARN_ENGINE`` chooses (``auto``: triton on CUDA, torch elsewhere).
 
 Refused, with the reason, at construction: sliding windows, ALiBi, logit soft-capping, attention
@@ -89,54 +89,6 @@ ENGINES = ("auto", "torch", "triton")
 LOG_EVERY_S = 10.0
 """Seconds between the backend's progress lines in the server log (the first group packed logs at once)."""
 STATS = {"groups_packed": 0, "group_reads": 0, "steps": 0}
-
-CHUNK_SCORE_BYTES = 256 << 20
-"""The triton engine's chunk path holds one block of fp32 scores, [query heads, chunk tokens, block keys], at most
-this big (a whole group at least): the key block is sized from it, so a chunk's memory does not grow with the
-context. (Before, a 2,048-token chunk over 262,144 tokens held its whole context dequantized, 2 GiB of fp32 K/V,
-and a 512 MiB mask, and SDPA's math path 48 GiB of scores, for 24 query heads; in 256 MiB blocks it is 1,280
-keys, 10 pages, at a time.)"""
-
-
-class _ChunkAttention:
-    """Causal GQA attention of one chunk's queries, in float32, over keys given a block at a time (flash-style
-    running max, sum and output), so the chunk path never holds the whole context dequantized, its scores or a
-    mask. Query i sits at position ``query_pos + i``; a block's keys at ``first_pos ...``."""
-
-    def __init__(self, q: torch.Tensor, kv_heads: int, scale: float):
-        n, hq, d = q.shape
-        self.n, self.hq, self.kv_heads, self.d = n, hq, kv_heads, d
-        # [kv heads, heads a kv head serves x chunk tokens, dim]: query head h uses kv head h // (hq / kv_heads)
-        self.q = (q.float() * scale).transpose(0, 1).reshape(kv_heads, hq // kv_heads * n, d)
-        rows = self.q.shape[1]
-        self.m = torch.full((kv_heads, rows), float("-inf"), dtype=torch.float32, device=q.device)
-        self.l = torch.zeros((kv_heads, rows), dtype=torch.float32, device=q.device)
-        self.acc = torch.zeros((kv_heads, rows, d), dtype=torch.float32, device=q.device)
-
-    def block_tokens(self) -> int:
-        """Keys a block may hold under CHUNK_SCORE_BYTES, a multiple of GROUP (whole pages), at least one group."""
-        keys = CHUNK_SCORE_BYTES // (4 * self.hq * self.n)
-        return max(GROUP, keys // GROUP * GROUP)
-
-    def add(self, k: torch.Tensor, v: torch.Tensor, first_pos: int, query_pos: int | None = None) -> None:
-        """Fold keys/values [L, kv heads, dim] in; with ``query_pos`` the block is masked causally."""
-        sc = torch.bmm(self.q, k.float().permute(1, 2, 0))             # [kv heads, rows, L]
-        if query_pos is not None:                                      # in place: one score block in memory
-            kpos = first_pos + torch.arange(k.shape[0], device=k.device)
-            qpos = query_pos + torch.arange(self.n, device=k.device)
-            sc.view(self.kv_heads, -1, self.n, k.shape[0]).masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
-        m_new = torch.maximum(self.m, sc.amax(dim=-1))
-        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))  # rows with nothing seen yet
-        p = sc.sub_(m_safe[..., None]).exp_()
-        alpha = torch.exp(self.m - m_safe)
-        self.l = self.l * alpha + p.sum(dim=-1)
-        self.acc = self.acc * alpha[..., None] + torch.bmm(p, v.float().transpose(0, 1))
-        self.m = m_new
-
-    def result(self) -> torch.Tensor:
-        """[chunk tokens, query heads, dim] (every query has seen at least its own key)."""
-        o = self.acc / self.l[..., None]
-        return o.view(self.hq, self.n, self.d).transpose(0, 1)
 """What this process's kvarn layers did, summed over layers (the log line reports it)."""
 _logged = [0.0]
 COMPANION = "rig_companion"
@@ -426,23 +378,15 @@ class KvarnAttentionImpl(AttentionImpl):
 
     def _chunk(self, kt, lay, rot: bool, q, k_new, v_new, out, pages, table, tail_k, tail_v, length: int) -> None:
         """A chunk of ``n`` > 1 tokens of one request: attend over its pages, dequantized on the device a block of
-        groups at a time, + its tail + itself (_ChunkAttention), then quantize the groups they fill and keep the
-        rest as the tail."""
+        pages at a time, + its tail + itself (kvarn_triton.chunk_attention), then quantize the groups they fill
+        and keep the rest as the tail."""
         n = q.shape[0]
         ctx = length - n
         done, held = divmod(ctx, GROUP)
         fresh_k = torch.cat([tail_k[:held].float(), k_new.float()])
         fresh_v = torch.cat([tail_v[:held].float(), v_new.float()])
-        att = _ChunkAttention(q, self.num_kv_heads, self.scale)
-        block = att.block_tokens()
-        for g0 in range(0, done, block // GROUP):
-            g1 = min(done, g0 + block // GROUP)
-            k_ctx, v_ctx = kt.dequantize_pages(pages, table[g0:g1], torch.float32, lay, rotated=rot)
-            att.add(k_ctx, v_ctx, first_pos=g0 * GROUP)
+        out.copy_(kt.chunk_attention(q, pages, table[:done], fresh_k, fresh_v, ctx, lay, rot, self.scale).to(out.dtype))
         STATS["group_reads"] += done
-        for t0 in range(0, held + n, block):           # the tail and the chunk itself, causally
-            att.add(fresh_k[t0:t0 + block], fresh_v[t0:t0 + block], first_pos=done * GROUP + t0, query_pos=ctx)
-        out.copy_(att.result().to(out.dtype))
         full, rest = divmod(held + n, GROUP)
         if full:
             shape = (full, GROUP, self.num_kv_heads, self.head_size)
