@@ -34,6 +34,19 @@ def cpu_plan(profile: str, tmp: Path, **sets: str) -> Plan:
     return resolve(profile, platform="cpu", environ={}, sets={**base, **sets})
 
 
+def gpu_script_refuses(script: Path, bad: list[str], says: str) -> None:
+    """A GPU bench script's two refusals on any host: ``bad`` arguments exit 2 with ``says`` on stderr (before any
+    device work); on a host without CUDA a plain run says so and exits 2 (skipped where CUDA is present)."""
+    import torch
+
+    r = subprocess.run([sys.executable, str(script), *bad], capture_output=True, text=True)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the no-CUDA refusal is not reachable here")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert r.returncode == 2 and "no CUDA device" in r.stderr, r.stderr
+
+
 def interpreter_child(test_file: str, flag: str) -> tuple[int, str, str]:
     """Run ``test_file``'s non-gpu cases in a child pytest under Triton's interpreter, with ``flag``=1 telling the
     file it is the child: (exit code, stdout, the last 6,000 characters of its output for a failure message).

@@ -17,15 +17,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from rig.kernels import load_file, module_name
-from tests.conftest import interpreter_child
+from tests.conftest import gpu_script_refuses, interpreter_child
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels" / "int8-prefill-attn"
 ROOT = KERNEL_DIR.parents[1]
@@ -177,10 +175,5 @@ def test_a_2k_chunk_over_a_14k_prefix_on_the_gpu(dtype):
 def test_the_chunk_bench_refuses_bad_cases_and_a_host_without_cuda():
     """bench/scripts/prefill_chunk_bench.py (a GPU window's `chunkbench` step): a malformed --cases entry is
     refused naming it; on a host without CUDA it says so and exits 2 before loading anything."""
-    script = ROOT / "bench" / "scripts" / "prefill_chunk_bench.py"
-    bad = subprocess.run([sys.executable, str(script), "--cases", "2048:x"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "--cases: '2048:x' is not CHUNK:PREFIX" in bad.stderr
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present: the no-CUDA refusal is not reachable here")
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
-    assert r.returncode == 2 and "no CUDA device" in r.stderr
+    gpu_script_refuses(ROOT / "bench" / "scripts" / "prefill_chunk_bench.py", ["--cases", "2048:x"],
+                       "--cases: '2048:x' is not CHUNK:PREFIX")

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from rig.kernels import load_file
+from tests.conftest import gpu_script_refuses
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "scripts" / "kvarn_bench.py"
@@ -120,10 +121,5 @@ def test_smoke_long_decode_kvarn_beats_plain_rtn(smoke):
 def test_the_chunk_bench_refuses_bad_contexts_and_a_host_without_cuda():
     """bench/scripts/kvarn_chunk_bench.py (kvarn_triton.chunk_attention beside the dense form it replaced, on a
     GPU): a malformed --contexts entry is refused naming it; without CUDA it says so and exits 2."""
-    script = ROOT / "bench" / "scripts" / "kvarn_chunk_bench.py"
-    bad = subprocess.run([sys.executable, str(script), "--contexts", "8192,x"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "--contexts: 'x' is not a positive integer" in bad.stderr
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present: the no-CUDA refusal is not reachable here")
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
-    assert r.returncode == 2 and "no CUDA device" in r.stderr
+    gpu_script_refuses(ROOT / "bench" / "scripts" / "kvarn_chunk_bench.py", ["--contexts", "8192,x"],
+                       "--contexts: 'x' is not a positive integer")
