@@ -41,3 +41,17 @@ def test_text_is_utf8_and_json_keeps_extra_arguments(tmp_path):
     assert path.read_bytes() == '{\n  "city": "Zürich"\n}\n'.encode()
     assert json.loads(path.read_text()) == {"city": "Zürich"}
     assert os.stat(path).st_size == len('{\n  "city": "Zürich"\n}\n'.encode())
+
+
+def test_a_new_file_gets_opens_mode_and_a_rewritten_one_keeps_its_own(tmp_path):
+    umask = os.umask(0o027)                               # set for this test, restored below
+    try:
+        fresh = atomic.write_atomic(tmp_path / "report.md", "x")
+        assert fresh.stat().st_mode & 0o777 == 0o640      # 0666 less the umask, as open() gives
+        private = tmp_path / "secret.json"
+        private.write_text("{}")
+        private.chmod(0o600)
+        atomic.write_json(private, {"a": 1})
+        assert private.stat().st_mode & 0o777 == 0o600    # a private file stays private
+    finally:
+        os.umask(umask)
