@@ -587,6 +587,37 @@ def test_the_vllm_backends_triton_engine_is_attention_over_its_pages(dev, method
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("score_mib", [256, 8])
+def test_chunk_attention_over_a_long_context_gpu(score_mib, monkeypatch):
+    """kvarn_triton.chunk_attention (the vLLM backend's chunk path) at GPU scale: a 512-token chunk after 16,384 +
+    77 tokens (128 scattered pages and a 77-token tail), 24/4 heads x 256, blocks of CHUNK_SCORE_BYTES (256 MiB:
+    one block of pages; 8 MiB: 128-key blocks, 128 of them): vs one causal softmax in fp32 over the same
+    dequantized pages, tail and chunk (the dense form the backend used before), within 1e-4 relative."""
+    kt = _load()
+    monkeypatch.setattr(kt, "CHUNK_SCORE_BYTES", score_mib << 20)
+    seed = _fresh_seed()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lay, groups, held, n = kt.page_layout(4, 256), 128, 77, 512
+    pool = torch.empty(groups + 3, lay.page_bytes, dtype=torch.uint8, device="cuda")
+    pages = torch.randperm(groups + 3, generator=g, device="cuda")[:groups].to(torch.int32)
+    k, v = (torch.randn(groups, 128, 4, 256, generator=g, device="cuda", dtype=torch.float16) for _ in "kv")
+    kt.quantize_groups(pool, pages, k, v, lay, True, True)
+    q = torch.randn(n, 24, 256, generator=g, device="cuda", dtype=torch.bfloat16)
+    fk, fv = (torch.randn(held + n, 4, 256, generator=g, device="cuda") for _ in "kv")
+    ctx = groups * 128 + held
+    got = kt.chunk_attention(q, pool, pages, fk, fv, ctx, lay)
+    kc, vc = kt.dequantize_pages(pool, pages, torch.float32, lay)
+    kk, vv = torch.cat([kc, fk]).repeat_interleave(6, 1), torch.cat([vc, fv]).repeat_interleave(6, 1)
+    sc = torch.einsum("nhd,lhd->hnl", q.float(), kk) / 16
+    sc = sc.masked_fill(torch.arange(ctx + n, device="cuda")[None, None, :]
+                        > (ctx + torch.arange(n, device="cuda"))[None, :, None], float("-inf"))
+    want = torch.einsum("hnl,lhd->nhd", sc.softmax(-1), vv)
+    rel = float((got - want).norm() / want.norm())
+    assert rel <= 1e-4, f"chunk_attention vs dense fp32: rel {rel}, seed {seed}, blocks of {score_mib} MiB"
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("variant", [*DECODE_VARIANTS[:5], GLUON_V5])
 @pytest.mark.parametrize("length", [8192, 32768])
 def test_decode_gpu_scale_eight_sequences(length, variant):
