@@ -259,8 +259,9 @@ def _causal_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     rep = q.shape[1] // k.shape[1]
     kk, vv = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
     logits = torch.einsum("nhd,lhd->hnl", q.float(), kk) / q.shape[-1] ** 0.5
-    pos = length - n + torch.arange(n)
-    logits = logits.masked_fill(torch.arange(length)[None, None, :] > pos[None, :, None], float("-inf"))
+    pos = length - n + torch.arange(n, device=k.device)
+    logits = logits.masked_fill(torch.arange(length, device=k.device)[None, None, :] > pos[None, :, None],
+                                float("-inf"))
     return torch.einsum("hnl,lhd->nhd", logits.softmax(-1), vv)
 
 
@@ -514,9 +515,9 @@ def test_the_vllm_backends_triton_engine_is_attention_over_its_pages(dev, method
     the same bytes; KVarN: within the write bound above); the tails hold the newest tokens as given; pages
     nobody owns are untouched. The torch engine is held to the reference in tests/test_kvarn_backend.py.
     score_bytes 1: the chunk path's key blocks (kvarn_triton.chunk_attention) are one group each (the floor of
-    CHUNK_SCORE_BYTES), so a chunk folds
-    its pages, its tail and itself in several blocks (the 200-token chunk over 2 pages and a 44-token tail: 4
-    blocks) - the form a long context takes - and must give the same attention.
+    CHUNK_SCORE_BYTES), so a chunk folds its pages, its tail and itself in several blocks (the 200-token chunk
+    over 2 pages and a 44-token tail: 4 blocks) - the form a long context takes - and must give the same
+    attention.
     Negative control: the same outputs against the exact context (no quantization) miss by far more."""
     pytest.importorskip("vllm", reason="the backend is vLLM's (kernels/kvarn/vllm_backend.py)")
     kt, device = dev
@@ -607,11 +608,7 @@ def test_chunk_attention_over_a_long_context_gpu(score_mib, monkeypatch):
     ctx = groups * 128 + held
     got = kt.chunk_attention(q, pool, pages, fk, fv, ctx, lay)
     kc, vc = kt.dequantize_pages(pool, pages, torch.float32, lay)
-    kk, vv = torch.cat([kc, fk]).repeat_interleave(6, 1), torch.cat([vc, fv]).repeat_interleave(6, 1)
-    sc = torch.einsum("nhd,lhd->hnl", q.float(), kk) / 16
-    sc = sc.masked_fill(torch.arange(ctx + n, device="cuda")[None, None, :]
-                        > (ctx + torch.arange(n, device="cuda"))[None, :, None], float("-inf"))
-    want = torch.einsum("hnl,lhd->nhd", sc.softmax(-1), vv)
+    want = _causal_ref(q, torch.cat([kc, fk]), torch.cat([vc, fv]))
     rel = float((got - want).norm() / want.norm())
     assert rel <= 1e-4, f"chunk_attention vs dense fp32: rel {rel}, seed {seed}, blocks of {score_mib} MiB"
 

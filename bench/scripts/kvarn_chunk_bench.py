@@ -79,6 +79,7 @@ def _row(kt, lay, g, ctx: int, chunk: int) -> dict:
     return {"context": ctx, "chunk": chunk, "blocked_ms": b_ms, "blocked_peak_gib": b_gib, "dense_ms": d_ms,
             "dense_peak_gib": d_gib, "rel_diff": rel}
 
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=pb.positive_ints("--contexts"), default=[8192, 32768, 131072, 262144])
