@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from rig.atomic import write_json  # noqa: E402
 from rig.kernels import prefill_bench as pb  # noqa: E402
 
 HQ, HKV, D = 24, 4, 256
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{cell(row['dense_ms'], row['dense_peak_gib'])} | {'-' if rel is None else f'{rel:.1e}'}", flush=True)
         torch.cuda.empty_cache()
     if a.json:
-        pb.write_json(a.json, {"versions": info, "score_bytes": kt.CHUNK_SCORE_BYTES, "rows": rows})
+        write_json(a.json, {"versions": info, "score_bytes": kt.CHUNK_SCORE_BYTES, "rows": rows})
     return 0
 
 

@@ -41,6 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from rig.atomic import write_json  # noqa: E402
 from rig.kernels import load_file, module_name  # noqa: E402
 from rig.kernels import prefill_bench as pb  # noqa: E402
 from rig.kernels.prefill_bench import HEAD_DIM, HKV, HQ, KERNEL  # noqa: E402
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     print(projection_3090())
     if args.json:
         stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        pb.write_json(args.json, {"measured_utc": stamp, "versions": info, "ceilings": ceilings,
+        write_json(args.json, {"measured_utc": stamp, "versions": info, "ceilings": ceilings,
                                "projection_3090": projection_3090(),
                                "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "dtype": "bf16"},
                                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

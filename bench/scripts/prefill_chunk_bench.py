@@ -33,6 +33,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from rig.atomic import write_json  # noqa: E402
 from rig.kernels import prefill_bench as pb  # noqa: E402
 from rig.kernels.prefill_bench import HEAD_DIM, HKV, HQ  # noqa: E402
 
@@ -173,7 +174,7 @@ def main() -> int:
         del d
         torch.cuda.empty_cache()
     if a.json:
-        pb.write_json(a.json, {"facts": {**meta, "block": a.block}, "rows": rows})
+        write_json(a.json, {"facts": {**meta, "block": a.block}, "rows": rows})
     return 0
 
 
