@@ -15,6 +15,8 @@
 #   chunkbench a later chunk over its prefix: the int8 route vs vLLM's FlashAttention (prefill_chunk_bench.py)
 #   prepass    the int8 prefill pre-pass profile (bench/scripts/prefill_prepass_profile.py; after `kernels`)
 #   kvarn      the KVarN kernels' GPU tests and bench/scripts/kvarn_bench.py (issue 14's table)
+#   kvdecode   the packed-cache decode kernels and the blocked chunk path: kvarn_decode_sweep.py (SWEEP_ARGS; by default
+#              v3 / v4 at their defaults beside v5 with 4, 2, 3 stages at 8k and 32k), their GPU tests, kvarn_chunk_bench.py
 #   tier       the GPU tier of the suite (tests/test_gpu.py), RIG_GPU_SETS as set by the caller
 #   kvserve    the kvarn profile served on this GPU: the backend's Triton engine compiled (tests/test_kvarn_kernels.py
 #              -k engine), the GPU tier's kvarn tests (tests/test_gpu.py -k kvarn:
@@ -118,6 +120,16 @@ step_kvarn() {
   "$PY" -m pytest -q -m gpu tests/test_kvarn_kernels.py -rA -p no:cacheprovider 2>&1 | tee "$OUT/kvarn-pytest.log" | tail -20
   "$PY" bench/scripts/kvarn_bench.py --json "$OUT/kvarn_bench.json" 2>&1 | tee "$OUT/kvarn_bench.txt" | tail -40
   keep_triton_cache
+}
+
+step_kvdecode() {
+  stamp kvdecode
+  # shellcheck disable=SC2086  # SWEEP_ARGS is a word list
+  "$PY" bench/scripts/kvarn_decode_sweep.py ${SWEEP_ARGS:---only 3,29,35,36,37 --lengths 8192,32768} 2>&1 \
+    | tee "$OUT/kvarn_sweep.txt" | tail -25
+  "$PY" -m pytest -q -m gpu tests/test_kvarn_kernels.py -k "(decode and (v5 or match_v1)) or long_context_gpu" \
+    -rA -p no:cacheprovider 2>&1 | tee "$OUT/kvdecode-pytest.log" | tail -15
+  "$PY" bench/scripts/kvarn_chunk_bench.py --json "$OUT/kvarn_chunk.json" 2>&1 | tee "$OUT/kvarn_chunk.txt" | tail -12
 }
 
 step_tier() {
