@@ -333,7 +333,7 @@ def _decode_check(kt, cache, q: torch.Tensor, kv, device: str, where: str, same_
 
 GLUON_V5 = pytest.param({"variant": "v5"}, id="v5")
 DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"variant": "v2"}, id="v2"),
-                   pytest.param({}, id="v3"), pytest.param({"variant": "v4"}, id="v4"),
+                   pytest.param({"variant": "v3"}, id="v3"), pytest.param({"variant": "v4"}, id="v4"),
                    pytest.param({"variant": "v2", "precise": "k"}, id="v2-precise-k"),
                    pytest.param({"variant": "v2", "block_t": 32, "num_warps": 4}, id="v2-block32"),
                    pytest.param({"variant": "v3", "precise": "k", "unpack": "cvt", "block_t": 64, "num_warps": 4},
@@ -341,8 +341,9 @@ DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"vari
                    pytest.param({"variant": "v3", "unpack": "ptx"}, id="v3-ptx"),
                    pytest.param({"variant": "v4", "unpack": "ptx"}, id="v4-ptx"),
                    GLUON_V5, pytest.param({"variant": "v5", "stages": 2}, id="v5-s2")]
-"""decode_attention's split kernels (and their knobs) that every decode check runs: v3 is the default; the first
-four are four kernels at their defaults. unpack "ptx" (inline PTX), v4 and v5 (Gluon): compiled (CUDA) runs only."""
+"""decode_attention's split kernels (and their knobs) that every decode check runs (v5 is the default on a GPU, v3
+elsewhere: test_the_default_decode_kernel_is_v5_on_a_gpu_and_v3_elsewhere); the first four are four kernels at their
+defaults. unpack "ptx" (inline PTX), v4 and v5 (Gluon): compiled (CUDA) runs only."""
 
 
 def _skip_in_interpreter(device: str, variant: dict) -> None:
@@ -365,6 +366,21 @@ def test_decode_matches_attention_over_the_dequantized_cache(dev, variant):
     where = f"lens [300, 77, 384], {variant}, seed {seed}"
     for rel, cos in _decode_check(kt, cache, q, kv, device, where, splits=2, **variant):
         assert rel <= DECODE_BOUND, f"relative error {rel} (cosine {cos}) > {DECODE_BOUND}: {where}"
+
+
+def test_the_default_decode_kernel_is_v5_on_a_gpu_and_v3_elsewhere(dev):
+    """decode_attention with no variant (what the vLLM backend calls) runs v5 on CUDA with Gluon, v3 on the CPU
+    interpreter: its output is that kernel's, bit for bit, and not the other reference kernel's."""
+    kt, device = dev
+    seed = _fresh_seed()
+    cache, q, _ = _build(kt, [300, 77], seed, device, pieces=False)
+    q = q.to(device)
+    gpu = device == "cuda" and torch.cuda.get_device_capability() >= (8, 0) and kt._has_gluon()
+    want = "v5" if gpu else "v3"
+    assert kt.default_variant(torch.device(device)) == want
+    got = cache.decode(q)
+    assert torch.equal(got, cache.decode(q, variant=want)), f"the default is not {want}, seed {seed}"
+    assert not torch.equal(got, cache.decode(q, variant="v1")), f"v1's bits too: the check cannot tell, seed {seed}"
 
 
 @pytest.mark.parametrize("variant", DECODE_VARIANTS[:4])
@@ -411,7 +427,7 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                   {"variant": "v3", "maxnreg": 128}, {"variant": "v3", "maxnreg": 128, "unpack": "ptx"},
                   {"variant": "v4"}, {"variant": "v4", "splits": 1}, {"variant": "v4", "splits": 5, "unpack": "ptx"},
                   {"variant": "v5"}, {"variant": "v5", "splits": 1}, {"variant": "v5", "splits": 5, "stages": 9},
-                  {"variant": "v5", "stages": 2, "splits": 2}]
+                  {"variant": "v5", "stages": 2, "splits": 2}, {"variant": "v5", "maxnreg": 168, "splits": 3}]
                  if device == "cuda" else [])):
         got = cache.decode(q, **{"variant": "v2", **kw}).float()
         rel = ((got - v1).norm() / v1.norm()).item()
@@ -426,7 +442,8 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                         [({"variant": "v4", "block_t": 32}, "one tiling"), ({"variant": "v4", "precise": "k"},
                                                                              "one tiling"),
                          ({"variant": "v4", "unpack": "cvt"}, "'magic' or 'ptx'"),
-                         ({"variant": "v4", "stages": 2}, "one tiling"), ({"variant": "v5", "stages": 1}, "2 ... 9"),
+                         ({"variant": "v4", "stages": 2}, "one tiling"),
+                         ({"variant": "v4", "maxnreg": 128}, "one tiling"), ({"variant": "v5", "stages": 1}, "2 ... 9"),
                          ({"variant": "v5", "stages": 10}, "2 ... 9"), ({"variant": "v5", "unpack": "ptx"}, "own PTX"),
                          ({"variant": "v5", "num_warps": 4}, "one tiling")])):
         with pytest.raises(ValueError, match=name):
@@ -450,7 +467,7 @@ def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_wit
                              capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
         assert run.returncode == 0, run.stderr[-2000:]
         for row in json.loads(out.read_text())["rows"]:
-            if row["name"].startswith("decode split") and not row["name"].endswith("r128"):
+            if row["name"].startswith("decode split") and not row["name"].split()[-1].startswith("r"):  # no caps
                 rows[row["name"], row["arch"]] = row
     names = sorted({name for name, _ in rows})
     assert names == ["decode split v3 t128 w8 s1 kv magic", "decode split v4 magic", "decode split v4 ptx",

@@ -102,6 +102,30 @@ def timed(fn, device, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def timed_graph(fn, warmup: int, iters: int, reps: int = 10) -> float:
+    """Median seconds of fn()'s GPU work alone: fn captured once in a CUDA graph, each timed sample ``reps``
+    replays between two CUDA events, divided by reps. Eager timing (``timed``) also counts the host's launches
+    when they are slower than the kernels (a few small kernels launched from Python are); this is what a decode
+    step under CUDA graphs pays."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a graph's first run compiles and allocates: not inside the capture
+        for _ in range(max(warmup, 1)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+
+    def replays():
+        for _ in range(reps):
+            graph.replay()
+
+    return timed(replays, torch.device("cuda"), warmup, iters) / reps
+
+
 def kvarn_cache(kt, k, v, seqs: int, rotated: bool):
     """One packed cache of k, v [L, 4, 256] (L % 128 == 0) shared by ``seqs`` sequences (same block table)."""
     import torch
@@ -505,12 +529,8 @@ def main() -> int:
               file=sys.stderr)
         return 2
     kt = load_kernels(a.smoke)
-    a.variant = a.variant or kt.DEFAULT_VARIANT
-    if a.variant not in kt.DECODE_DEFAULTS:
+    if a.variant and a.variant not in kt.DECODE_DEFAULTS:
         ap.error(f"--variant {a.variant!r}: one of {sorted(kt.DECODE_DEFAULTS)}")
-    a.block_t = a.block_t or kt.DECODE_DEFAULTS[a.variant][0]  # the record names the tiles that ran
-    a.num_warps = a.num_warps or kt.DECODE_DEFAULTS[a.variant][1]
-    a.stages = kt.DECODE_DEFAULTS[a.variant][2]
     import torch
 
     if not a.smoke and not torch.cuda.is_available():
@@ -521,6 +541,10 @@ def main() -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 references stay fp32
     device = torch.device("cpu" if a.smoke else "cuda")
+    a.variant = a.variant or kt.default_variant(device)
+    a.block_t = a.block_t or kt.DECODE_DEFAULTS[a.variant][0]  # the record names the tiles that ran
+    a.num_warps = a.num_warps or kt.DECODE_DEFAULTS[a.variant][1]
+    a.stages = kt.DECODE_DEFAULTS[a.variant][2]
     name = "CPU, Triton interpreter (smoke)" if a.smoke else torch.cuda.get_device_name(device)
     tq = {n: turboquant(n) for n in ("turboquant_3bit_nc", "turboquant_4bit_nc")}
     rows = []

@@ -79,8 +79,10 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
         *[(f"decode split v4 {unpack}", kt._load_gluon().decode_split_v4, split,
            dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=64, PTX=unpack == "ptx"), {"num_warps": 1})
           for unpack in ("magic", "ptx")],
-        *[(f"decode split v5 s{st}", kt._load_gluon().decode_split_v5, split,
-           dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=64, STAGES=st), {"num_warps": 1}) for st in (2, 4)],
+        *[(f"decode split v5 s{st}{f' r{reg}' if reg else ''}", kt._load_gluon().decode_split_v5, split,
+           dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=64, STAGES=st),
+           {"num_warps": 1, **({"maxnreg": reg} if reg else {})})
+          for st, reg in ((2, 0), (4, 0), (4, 168), (4, 128))],
         ("decode combine", kt._decode_combine_kernel, combine, dict(HKV=4, QPK=6, D=256, T=128, NSPLIT=33,
                                                                    NSPLIT_P2=64, TAIL_T=16, TAIL_ROWS=True),
          {"num_warps": 4}),

@@ -46,16 +46,19 @@ CONFIGS = [BASELINE] + [
         {}, {"unpack": "ptx"}, {"splits": 64}, {"splits": 128}, {"splits": 512}, {"unpack": "ptx", "splits": 128})
 ] + [
     {"variant": "v5", **kw} for kw in (
-        {}, {"stages": 2}, {"stages": 3}, {"stages": 6}, {"splits": 64}, {"splits": 128}, {"splits": 512})
+        {}, {"stages": 2}, {"stages": 3}, {"stages": 6}, {"splits": 64}, {"splits": 128}, {"splits": 512},
+        {"splits": 33}, {"splits": 48}, {"splits": 96}, {"stages": 2, "splits": 64}, {"stages": 3, "splits": 64},
+        {"maxnreg": 168}, {"maxnreg": 168, "splits": 96}, {"maxnreg": 128}, {"maxnreg": 128, "splits": 128})
 ]
-"""42 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
+"""51 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
 were slower there), and v3 (codes read as stored, K's as the large dot operand) at its defaults (block_t 128,
 8 warps, 1 stage, "magic" unpack, precise "kv") and one or two knobs changed at a time: stages 3 is Triton's
 default pipelining; unpack "ptx" the magic number four codes at a time in inline PTX; maxnreg 128 two 8-warp
 programs an SM, with spills (the last two added 2026-12-06, docs/kvarn.md); v4 (Gluon, one warp a program, one
 tiling) at its default splits and others, both unpacks; v5 (v4 fed by a ring of tiles in shared memory) at its
-default ring depth (4) and splits, and others. precise "kv" is v1's precision; "k" passes the tests'
-1e-3 bound; "" does not (a speed ceiling)."""
+default ring depth (4) and splits, and others (2026-12-07: split counts around one wave of resident one-warp
+programs, and register caps of 168 and 128: 12 and 16 programs an SM, with spills, against 8 at 255).
+precise "kv" is v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
 SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
 
 
@@ -77,6 +80,10 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20, help="timed iterations (median)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny size, 3 configs, CPU in Triton's interpreter")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (the GPU's work alone, as a decode "
+                                                         "step under CUDA graphs pays it) instead of eager calls")
+    ap.add_argument("--kernels", action="store_true", help="also list the best config's CUDA kernels and their time "
+                                                           "at the key length (torch profiler)")
     ap.add_argument("--only", default="", help="comma-separated: variants (v1 ... v5: all their configs) and numbers "
                                                "N (CONFIGS[N], e.g. one kernel under a profiler); default all")
     a = ap.parse_args()
@@ -89,6 +96,7 @@ def main() -> int:
         return 2
     if a.smoke:
         a.lengths, a.batch, a.iters, a.warmup, configs = "256,384", 2, 1, 0, SMOKE_CONFIGS
+        a.graph = a.kernels = False  # CUDA only
     lengths = [int(x) for x in a.lengths.split(",") if x]
     if not lengths or any(n <= 0 or n % kb.GROUP for n in lengths):
         print(f"--lengths {a.lengths}: positive multiples of {kb.GROUP}", file=sys.stderr)
@@ -102,6 +110,9 @@ def main() -> int:
         return 2
     device = torch.device("cpu" if a.smoke else "cuda")
     key = 32768 if 32768 in lengths else lengths[len(lengths) // 2]
+    def timed(fn):
+        return kb.timed_graph(fn, a.warmup, a.iters) if a.graph else kb.timed(fn, device, a.warmup, a.iters)
+
     copy_bps = kb.copy_bandwidth(device, (16 << 20) if a.smoke else (2 << 30), a.warmup, max(a.iters, 1))
     sdpa, packed, plain = {}, {}, {}
     times = [{} for _ in configs]
@@ -111,7 +122,7 @@ def main() -> int:
         x = kb.decode_setup(kt, n, a.batch, device)
         q, args = x["q"], x["args"]
         packed[n], plain[n] = x["pool"].nbytes, x["kf"].nbytes + x["vf"].nbytes
-        sdpa[n] = kb.timed(x["sdpa"], device, a.warmup, a.iters)
+        sdpa[n] = timed(x["sdpa"])
         ref = kt.decode_attention(q, *args, **BASELINE).float()
         for i, cfg in enumerate(configs):
             if errors[i]:
@@ -122,8 +133,8 @@ def main() -> int:
                 diffs[i] = max(diffs[i], (got - ref).abs().max().item())  # NaN (rows left unwritten) stays NaN
                 if got.isnan().any():
                     diffs[i] = float("nan")
-                times[i][n] = kb.timed(lambda q=q, args=args, out=out, cfg=cfg: kt.decode_attention(
-                    q, *args, out=out, **cfg), device, a.warmup, a.iters)
+                times[i][n] = timed(lambda q=q, args=args, out=out, cfg=cfg: kt.decode_attention(
+                    q, *args, out=out, **cfg))
             except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, the sweep goes on
                 errors[i] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
         x = q = args = ref = None  # frees this length's caches before the next
@@ -135,7 +146,8 @@ def main() -> int:
 
     name = "CPU, Triton interpreter (smoke)" if a.smoke else torch.cuda.get_device_name(device)
     print(f"KVarN decode sweep, {name}, torch {torch.__version__}, triton {triton.__version__}; {a.batch} sequences, "
-          f"24 query / 4 KV heads x 256; median of {a.iters} after {a.warmup} warmup; packed cache "
+          f"24 query / 4 KV heads x 256; median of {a.iters} after {a.warmup} warmup"
+          f"{' (CUDA-graph replays: GPU time)' if a.graph else ' (eager calls)'}; packed cache "
           f"{packed[lengths[0]] / (a.batch * lengths[0]):,.0f} B/token; copy bandwidth "
           + ("smoke" if a.smoke else f"{copy_bps / 1e9:,.0f} GB/s"))
     print()
@@ -172,7 +184,52 @@ def main() -> int:
         else:
             print(f"  {n:,} tokens: {t * 1e6:,.1f} µs, {sdpa[n] / t:.2f}x fp16 SDPA ({sdpa[n] * 1e6:,.1f} µs), "
                   f"{packed[n] / t / 1e9:,.0f} GB/s = {100 * packed[n] / t / copy_bps:.0f}% of copy bandwidth")
+    if a.kernels:
+        kernel_times(kt, configs[best], key, a.batch, device)
     return 0
+
+
+def kernel_times(kt, cfg: dict, n: int, batch: int, device) -> None:
+    """What one decode_attention call costs where: each CUDA kernel it launches with its mean GPU time, the host's
+    time a call (a loop of launches the GPU keeps up with: the eager cost of Python and the launches) and the
+    host operations that take most of it (torch profiler, 10 calls)."""
+    import time
+
+    import torch
+
+    x = kb.decode_setup(kt, n, batch, device)
+
+    def call():
+        return kt.decode_attention(x["q"], *x["args"], **cfg)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            call()
+        torch.cuda.synchronize()
+    rows = prof.key_averages()
+    gpu = [e for e in rows if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"\nkernels of one call at {n:,} tokens ({' '.join(f'{k}={v}' for k, v in cfg.items())}), mean of 10:")
+    for e in sorted(gpu, key=lambda e: -e.device_time_total):
+        print(f"  {e.device_time_total / e.count:9.1f} µs  x{e.count // 10:<3} {e.key[:90]}")
+    host = [e for e in rows if e.device_type == torch.autograd.DeviceType.CPU]
+    print("host operations, self CPU time a call (top 8):")
+    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:8]:
+        print(f"  {e.self_cpu_time_total / 10:9.1f} µs  x{e.count // 10:<3} {e.key[:90]}")
+    small = kb.decode_setup(kt, 1024, batch, device)  # a short context: the GPU outruns the host
+    for _ in range(3):
+        kt.decode_attention(small["q"], *small["args"], **cfg)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        kt.decode_attention(small["q"], *small["args"], **cfg)
+    host_s = (time.perf_counter() - t0) / 200
+    torch.cuda.synchronize()
+    print(f"host time a call (200 calls at 1,024 tokens, launches only): {host_s * 1e6:,.1f} µs")
+    return None
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def main() -> int:
         q, args = x["q"], x["args"]
         ref = kt.decode_attention(q, *args, variant="v1").float()
         t_sdpa = kb.timed(x["sdpa"], dev, 3, a.iters)
-        t_v3 = kb.timed(lambda q=q, args=args: kt.decode_attention(q, *args), dev, 3, a.iters)
+        t_v3 = kb.timed(lambda q=q, args=args: kt.decode_attention(q, *args, variant="v3"), dev, 3, a.iters)
         print(f"{n:>6}: fp16 SDPA {t_sdpa * 1e6:8.1f} us   v3 {t_v3 * 1e6:8.1f} us", flush=True)
         for unpack in ("magic", "ptx"):
             for sp in [int(s) for s in a.splits.split(",")]:

@@ -713,32 +713,53 @@ def _decode_combine_kernel(o_ptr, ml_ptr, qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, 
 
 
 def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device, per_sm: int = 4,
-            most: int = 64) -> tuple[int, int]:
-    """(groups per split, number of splits): about per_sm programs an SM to fill the GPU, at most ``most`` splits."""
+            most: int = 64, one_wave: bool = False) -> tuple[int, int]:
+    """(groups per split, number of splits): about per_sm programs an SM to fill the GPU, at most ``most`` splits;
+    one_wave: at most per_sm programs an SM (rounded down), so every program is resident at once and none waits
+    for a second wave (v4 and v5: their one-warp programs are long, and a part-filled second wave doubled the
+    time, docs/kvarn.md)."""
     if max_groups <= 0:
         return 1, 0
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    want = max(1, min(most, max_groups, math.ceil(per_sm * sms / max(1, batch * kv_heads))))
+    programs = max(1, batch * kv_heads)
+    fill = per_sm * sms // programs if one_wave else math.ceil(per_sm * sms / programs)
+    want = max(1, min(most, max_groups, fill))
     gps = math.ceil(max_groups / want)
     return gps, math.ceil(max_groups / gps)
 
 
 DECODE_DEFAULTS = {"v1": (32, 8, None), "v2": (128, 8, None), "v3": (128, 8, 1), "v4": (16, 1, None),
-                   "v5": (16, 1, 4)}
+                   "v5": (16, 1, 2)}
 """Per decode variant: (block_t, num_warps, stages) when the caller gives none (stages None: Triton's default). v3 at
 (128, 8, 1) was the fastest config within the tests' bound of bench/scripts/kvarn_decode_sweep.py on an H100
 (2026-12-06, triton 3.6): 587.7 us at 8 x 32k against v2's 859.9 and v1's 997.2 in the same run. v4 and v5 (Gluon)
 have one tiling: 16-token tiles, one warp a program; v5's stages is the depth of its ring of tiles in shared memory
-(GLUON_STAGES: 2 ... 9, 3.5 KiB a tile)."""
-V4_SPLITS = (32, 256)
-"""v4's and v5's default split count: about V4_SPLITS[0] one-warp programs an SM, at most V4_SPLITS[1] splits (the
-other variants': 4 eight-warp programs an SM, at most 64). A first guess: the sweep's v4 split rows tune it on a GPU."""
+(GLUON_STAGES: 2 ... 9, 3.5 KiB a tile): 2, as fast as 4 on an H100 (2026-12-07: 282.4 against 285.9 us at
+8 x 32k, 64 splits) in half the shared memory, so 8 programs fit an sm86 SM (100 KiB) as they fit an sm90 one."""
+V4_SPLITS = (8, 256)
+"""v4's and v5's default split count: one wave of V4_SPLITS[0] one-warp programs an SM (ptxas gives both 255
+registers a thread: 65,536 / (255 x 32) = 8 resident), at most V4_SPLITS[1] splits (the other variants': about 4
+eight-warp programs an SM, at most 64). On an H100 at 8 x 32k (CUDA-graph replays, 2026-12-07): 33 splits, one
+wave, 253.4 us; 48 and 96, a part-filled second wave, 327.4 and 323.2 us; 64 (two waves) 285.9 us."""
 GLUON_STAGES = range(2, 10)
 """v5's ring depths: at least 2 (one tile read while the next lands), at most one group ahead (128 / 16 + 1)."""
 
 
-DEFAULT_VARIANT = "v3"
-"""decode_attention's split kernel when the caller names none (bench scripts read it here)."""
+def default_variant(device: torch.device) -> str:
+    """decode_attention's split kernel when the caller names none: v5 on a CUDA GPU of sm80 or later whose Triton
+    has Gluon (the fastest measured, 1.7x to 2.2x v3 on an H100: docs/kvarn.md), else v3 (the CPU interpreter runs
+    it; Gluon compiles for CUDA only)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and _has_gluon():
+        return "v5"
+    return "v3"
+
+
+def _has_gluon() -> bool:
+    """Whether this Triton has Gluon (triton.experimental.gluon: Triton 3.5 and later)."""
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon") is not None
+    except ModuleNotFoundError:
+        return False
 UNPACKS = {"cvt": 0, "magic": 1, "ptx": 2}
 """v3's ways from a code to fp16 (_code's MAGIC): int -> float conversion, the magic number element-wise, or the
 magic number four codes at a time in inline PTX (CUDA only)."""
@@ -753,13 +774,14 @@ def _load_gluon():
 def _check_gluon(variant: str, device: torch.device, block_t: int, num_warps: int, stages: int | None,
                  maxnreg: int | None, precise: str, unpack: str) -> None:
     """v4's and v5's refusals, before anything launches: CUDA only (Gluon has no interpreter), one tiling; v4
-    unpacks by "magic" or "ptx", v5 by its own word-at-a-time PTX (unpack left out) with a ring of 2 ... 9 tiles."""
+    unpacks by "magic" or "ptx", v5 by its own word-at-a-time PTX (unpack left out) with a ring of 2 ... 9 tiles and
+    an optional register cap (maxnreg: more one-warp programs an SM, against spills)."""
     if device.type != "cuda":
         raise ValueError(f"variant {variant!r} is a Gluon kernel, compiled for CUDA only (q is on {device}); use 'v3'")
     block, warps, _ = DECODE_DEFAULTS[variant]
-    if (block_t, num_warps, maxnreg, precise) != (block, warps, None, "kv") or (variant == "v4" and stages):
+    if (block_t, num_warps, precise) != (block, warps, "kv") or (variant == "v4" and (stages or maxnreg)):
         knobs = "block_t, num_warps, stages, maxnreg and precise" if variant == "v4" else \
-            "block_t, num_warps, maxnreg and precise (stages: the ring's depth)"
+            "block_t, num_warps and precise (stages: the ring's depth; maxnreg: a register cap)"
         raise ValueError(f"variant {variant!r} has one tiling (16-token tiles, one warp, hi + lo dots): leave {knobs} "
                          "out")
     if variant == "v5" and stages not in GLUON_STAGES:
@@ -775,7 +797,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                      max_groups: int, tail_k: torch.Tensor, tail_v: torch.Tensor, tail_len: torch.Tensor,
                      out: torch.Tensor | None = None, layout: PageLayout = MODEL_LAYOUT, rotated: bool = True,
                      splits: int | None = None, block_t: int | None = None, num_warps: int | None = None,
-                     variant: str = DEFAULT_VARIANT, precise: str = "kv", tail_rows: torch.Tensor | None = None,
+                     variant: str | None = None, precise: str = "kv", tail_rows: torch.Tensor | None = None,
                      stages: int | None = None, unpack: str = DEFAULT_UNPACK,
                      maxnreg: int | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
@@ -788,11 +810,13 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     rotated=False reads the plain-RTN layout (no query rotation).
     Launches: query rotation, split kernel (when any group is full), combine + tail, un-rotation.
 
-    variant: "v5" (kvarn_gluon.decode_split_v5: v4 fed by a ring of ``stages`` tiles (default 4) that cp.async
-    fills ahead in shared memory, codes unpacked a word at a time; compiled CUDA only, no other knob but splits),
+    variant: None (default_variant: v5 on a CUDA GPU with Gluon, else v3),
+    "v5" (kvarn_gluon.decode_split_v5: v4 fed by a ring of ``stages`` tiles (default 2) that cp.async
+    fills ahead in shared memory, codes unpacked a word at a time; compiled CUDA only, no other knob but splits
+    and maxnreg),
     "v4" (kvarn_gluon.decode_split_v4, a Gluon kernel: codes straight from global memory into
     tensor-core operands, one warp a program, no shared memory; compiled CUDA only, ``unpack`` "magic" or
-    "ptx", no other knob but splits), "v3" (the default; _decode_split_kernel_v3: codes read as stored,
+    "ptx", no other knob but splits), "v3" (the default without Gluon; _decode_split_kernel_v3: codes read as stored,
     K's as the large dot operand, the query's per-group work once a group; defaults block_t 128, 8 warps, 1 stage;
     ``unpack`` "magic" (default), "ptx" or "cvt" says how a code becomes fp16: UNPACKS), "v2"
     (_decode_split_kernel_v2: one K and one V dot per tile on codes gathered into a permuted channel
@@ -805,6 +829,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     memory but lets more programs share an SM) and precise are tuning knobs;
     the combine kernel and the outputs' meaning are the same.
     """
+    variant = variant or default_variant(q.device)
     if variant not in DECODE_DEFAULTS:
         raise ValueError(f"variant {variant!r}: one of {sorted(DECODE_DEFAULTS)}")
     block_t = block_t or DECODE_DEFAULTS[variant][0]
@@ -833,7 +858,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         raise ValueError("tail_k and tail_v must share strides with contiguous [heads, dim] rows")
     qpk = hq // hkv
     qp = (q.float() * (LOG2E / math.sqrt(d))).contiguous()
-    gps, nsplit = _splits(s_, hkv, max_groups, q.device, *(V4_SPLITS if variant in ("v4", "v5") else ()))
+    gluon = variant in ("v4", "v5")
+    gps, nsplit = _splits(s_, hkv, max_groups, q.device, *(V4_SPLITS if gluon else ()), one_wave=gluon)
     if splits is not None and max_groups > 0:
         gps = math.ceil(max_groups / max(1, min(splits, max_groups)))
         nsplit = math.ceil(max_groups / gps)
