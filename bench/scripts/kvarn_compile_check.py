@@ -54,9 +54,9 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
                 V_TS=lay.v_ts, V_TO=lay.v_to, V_CS=lay.v_cs)
     split = {"qr_ptr": "*fp32", "u8_ptr": "*u8", "f16_ptr": "*fp16", "bt_ptr": "*i32", "stride_bt": "i32",
              "ngroups_ptr": "*i32", "o_ptr": "*fp32", "ml_ptr": "*fp32", "page_bytes": "i32", "gps": "i32"}
-    combine = {"o_ptr": "*fp32", "ml_ptr": "*fp32", "qp_ptr": "*fp32", "tk_ptr": "*bf16", "tv_ptr": "*bf16",
-               "tail_len_ptr": "*i32", "tail_row_ptr": "*i32", "stride_ts": "i32", "stride_tt": "i32",
-               "rot_ptr": "*fp32", "plain_ptr": "*fp32"}
+    combine = {"o_ptr": "*fp32", "ml_ptr": "*fp32", "q_ptr": "*bf16", "q_scale": "fp32", "tk_ptr": "*bf16",
+               "tv_ptr": "*bf16", "tail_len_ptr": "*i32", "tail_row_ptr": "*i32", "stride_ts": "i32",
+               "stride_tt": "i32", "rot_ptr": "*fp32", "plain_ptr": "*fp32"}
     rot = {"x_ptr": "*fp32", "s_ptr": "*fp16", "add_ptr": "*fp32", "o_ptr": "*bf16", "M": "i32", "inv_sqrt_d": "fp32"}
     return [
         ("rotate", kt._rotate_kernel, rot, dict(D=256, BM=32, BN=64, HAS_ADD=True), {"num_warps": 4}),

@@ -159,7 +159,8 @@ def _split16(x):
 @triton.jit
 def _rotate_kernel(x_ptr, s_ptr, add_ptr, o_ptr, M, inv_sqrt_d,
                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_ADD: tl.constexpr):
-    """o[rows, cols] = (x[rows] @ signs[:, cols]) / sqrt(D) (+ add): a tile of x @ H in ~fp32 precision."""
+    """o[rows, cols] = (x[rows] @ signs[:, cols]) * inv_sqrt_d (+ add): a tile of x @ H in ~fp32 precision
+    (inv_sqrt_d: 1 / sqrt(D), times any scale the caller folds in)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     k = tl.arange(0, D)
@@ -178,8 +179,9 @@ def _rotate_kernel(x_ptr, s_ptr, add_ptr, o_ptr, M, inv_sqrt_d,
 
 
 def rotate(x: torch.Tensor, add: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """x [..., D] @ H (+ add, fp32 [..., D]) into out (or a new tensor of ``dtype``): Hadamard in fp32 precision."""
+           dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    """scale * x [..., D] @ H (+ add, fp32 [..., D]) into out (or a new tensor of ``dtype``): Hadamard in fp32
+    precision; x in any float dtype (the kernel reads it as stored: no cast or scaling launch before it)."""
     d = x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()
     if out is None:
@@ -190,7 +192,7 @@ def rotate(x: torch.Tensor, add: torch.Tensor | None = None, out: torch.Tensor |
     if m:
         # compiled: small tiles (registers); interpreter (CPU tensors): few big programs, numpy does the work
         bm, bn = (32, min(64, d)) if x.is_cuda else (128, d)
-        _rotate_kernel[(triton.cdiv(m, bm), d // bn)](x2, _signs(d, x.device), a2, o2, m, 1.0 / math.sqrt(d),
+        _rotate_kernel[(triton.cdiv(m, bm), d // bn)](x2, _signs(d, x.device), a2, o2, m, scale / math.sqrt(d),
                                                        D=d, BM=bm, BN=bn, HAS_ADD=add is not None, num_warps=4)
     return out
 
@@ -652,9 +654,9 @@ def _decode_split_kernel_v3(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
 
 
 @triton.jit
-def _decode_combine_kernel(o_ptr, ml_ptr, qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, tail_row_ptr, stride_ts, stride_tt,
-                           rot_ptr, plain_ptr, HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-                           NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, TAIL_T: tl.constexpr,
+def _decode_combine_kernel(o_ptr, ml_ptr, q_ptr, q_scale, tk_ptr, tv_ptr, tail_len_ptr, tail_row_ptr, stride_ts,
+                           stride_tt, rot_ptr, plain_ptr, HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr,
+                           T: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, TAIL_T: tl.constexpr,
                            TAIL_ROWS: tl.constexpr):
     """Program (sequence, query head): attend over the unquantized tail in fp32, then merge it with the splits.
 
@@ -662,13 +664,14 @@ def _decode_combine_kernel(o_ptr, ml_ptr, qp_ptr, tk_ptr, tv_ptr, tail_len_ptr, 
     QPK x 64 KiB per sequence, small beside the packed groups, and saves a launch and the split
     kernel's registers. Writes rot = packed part / L (rotated domain) and plain = tail part / L.
     TAIL_ROWS: sequence s's tail is row tail_row[s] of the tail tensors (vLLM's per-request state
-    slots), else row s.
+    slots), else row s. q_ptr: the query as the caller gave it (any float dtype, contiguous), times q_scale
+    (log2 e / sqrt(D)) here, in fp32.
     """
     r = tl.program_id(0)
     s = r // (HKV * QPK)
     h = (r % (HKV * QPK)) // QPK
     d = tl.arange(0, D)
-    q = tl.load(qp_ptr + r.to(tl.int64) * D + d)
+    q = tl.load(q_ptr + r.to(tl.int64) * D + d).to(tl.float32) * q_scale
     n = tl.load(tail_len_ptr + s)
     if TAIL_ROWS:
         row = tl.load(tail_row_ptr + s).to(tl.int64)
@@ -857,7 +860,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     if tail_k.stride() != tail_v.stride() or tail_k.stride(2) != d or tail_k.stride(3) != 1:
         raise ValueError("tail_k and tail_v must share strides with contiguous [heads, dim] rows")
     qpk = hq // hkv
-    qp = (q.float() * (LOG2E / math.sqrt(d))).contiguous()
+    q_scale = LOG2E / math.sqrt(d)
+    qc = q.contiguous()  # the combine kernel and the rotation read it as stored and scale it themselves
     gluon = variant in ("v4", "v5")
     gps, nsplit = _splits(s_, hkv, max_groups, q.device, *(V4_SPLITS if gluon else ()), one_wave=gluon)
     if splits is not None and max_groups > 0:
@@ -867,7 +871,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     ml = torch.empty(s_, hq, max(nsplit, 1), 2, dtype=torch.float32, device=q.device)
     lay = layout
     if nsplit:
-        qr = rotate(qp) if rotated else qp
+        qr = rotate(qc, scale=q_scale) if rotated else (qc.float() * q_scale).contiguous()
         kw = dict(K_CODES=lay.k_codes, K_TS=lay.k_ts, K_TO=lay.k_to, K_CS=lay.k_cs, V_CODES=lay.v_codes,
                   V_TS=lay.v_ts, V_TO=lay.v_to, V_CS=lay.v_cs, HKV=hkv, QPK=qpk, D=d, T=t, NSPLIT=nsplit,
                   BLOCK_G=max(16, triton.next_power_of_2(qpk)), BLOCK_T=block_t, num_warps=num_warps)
@@ -891,7 +895,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                                   o_part, ml, lay.page_bytes, gps, **kw)
     rot = torch.empty(s_, hq, d, dtype=torch.float32, device=q.device)
     plain = torch.empty_like(rot)
-    _decode_combine_kernel[(s_ * hq,)](o_part, ml, qp, tail_k, tail_v, tail_len,
+    _decode_combine_kernel[(s_ * hq,)](o_part, ml, qc, q_scale, tail_k, tail_v, tail_len,
                                        tail_len if tail_rows is None else tail_rows, tail_k.stride(0), tail_k.stride(1),
                                        rot, plain, HKV=hkv, QPK=qpk, D=d, T=t, NSPLIT=nsplit,
                                        NSPLIT_P2=max(8, triton.next_power_of_2(nsplit)), TAIL_T=16,
