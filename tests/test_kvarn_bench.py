@@ -123,3 +123,10 @@ def test_the_chunk_bench_refuses_bad_contexts_and_a_host_without_cuda():
     GPU): a malformed --contexts entry is refused naming it; without CUDA it says so and exits 2."""
     gpu_script_refuses(ROOT / "bench" / "scripts" / "kvarn_chunk_bench.py", ["--contexts", "8192,x"],
                        "--contexts: 'x' is not a positive integer")
+
+
+def test_the_host_time_script_refuses_bad_arguments_and_a_host_without_cuda(tmp_path):
+    """bench/scripts/kvarn_host_time.py (eager decode calls' host time, GPU): a missing --old file is refused naming
+    it, before any device work; without CUDA it says so and exits 2."""
+    gpu_script_refuses(ROOT / "bench" / "scripts" / "kvarn_host_time.py", ["--old", str(tmp_path / "none.py")],
+                       "none.py: no such file")
