@@ -56,7 +56,7 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
              "ngroups_ptr": "*i32", "o_ptr": "*fp32", "ml_ptr": "*fp32", "page_bytes": "i32", "gps": "i32"}
     combine = {"o_ptr": "*fp32", "ml_ptr": "*fp32", "q_ptr": "*bf16", "q_scale": "fp32", "tk_ptr": "*bf16",
                "tv_ptr": "*bf16", "tail_len_ptr": "*i32", "tail_row_ptr": "*i32", "stride_ts": "i32",
-               "stride_tt": "i32", "rot_ptr": "*fp32", "plain_ptr": "*fp32"}
+               "stride_tt": "i32", "out_ptr": "*bf16", "s_ptr": "*fp16", "inv_sqrt_d": "fp32"}
     rot = {"x_ptr": "*fp32", "s_ptr": "*fp16", "add_ptr": "*fp32", "o_ptr": "*bf16", "M": "i32", "inv_sqrt_d": "fp32"}
     return [
         ("rotate", kt._rotate_kernel, rot, dict(D=256, BM=32, BN=64, HAS_ADD=True), {"num_warps": 4}),
@@ -84,7 +84,8 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
            {"num_warps": 1, **({"maxnreg": reg} if reg else {})})
           for st, reg in ((2, 0), (4, 0), (4, 168), (4, 128))],
         ("decode combine", kt._decode_combine_kernel, combine, dict(HKV=4, QPK=6, D=256, T=128, NSPLIT=33,
-                                                                   NSPLIT_P2=64, TAIL_T=16, TAIL_ROWS=True),
+                                                                   NSPLIT_P2=64, TAIL_T=16, TAIL_ROWS=True,
+                                                                   ROTATED=True, BN=32),
          {"num_warps": 4}),
     ]
 

@@ -655,14 +655,16 @@ def _decode_split_kernel_v3(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_
 
 @triton.jit
 def _decode_combine_kernel(o_ptr, ml_ptr, q_ptr, q_scale, tk_ptr, tv_ptr, tail_len_ptr, tail_row_ptr, stride_ts,
-                           stride_tt, rot_ptr, plain_ptr, HKV: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr,
-                           T: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, TAIL_T: tl.constexpr,
-                           TAIL_ROWS: tl.constexpr):
+                           stride_tt, out_ptr, s_ptr, inv_sqrt_d, HKV: tl.constexpr, QPK: tl.constexpr,
+                           D: tl.constexpr, T: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr,
+                           TAIL_T: tl.constexpr, TAIL_ROWS: tl.constexpr, ROTATED: tl.constexpr, BN: tl.constexpr):
     """Program (sequence, query head): attend over the unquantized tail in fp32, then merge it with the splits.
 
     The tail is at most 128 tokens; reading it once per query head (not once per KV head) costs
     QPK x 64 KiB per sequence, small beside the packed groups, and saves a launch and the split
-    kernel's registers. Writes rot = packed part / L (rotated domain) and plain = tail part / L.
+    kernel's registers. Writes out = rot @ H + plain (ROTATED; else rot + plain), rot = packed part / L (rotated
+    domain), plain = tail part / L: the un-rotation is done here, BN columns of the +-1 matrix (s_ptr) at a time
+    in fp32, rather than by a fourth launch.
     TAIL_ROWS: sequence s's tail is row tail_row[s] of the tail tensors (vLLM's per-request state
     slots), else row s. q_ptr: the query as the caller gave it (any float dtype, contiguous), times q_scale
     (log2 e / sqrt(D)) here, in fp32.
@@ -711,8 +713,19 @@ def _decode_combine_kernel(o_ptr, ml_ptr, q_ptr, q_scale, tk_ptr, tv_ptr, tail_l
                                              other=float("-inf")) - mx), 0.0)
         part = tl.load(o_ptr + (r.to(tl.int64) * NSPLIT + c)[:, None] * D + d[None, :], mask=cmask[:, None], other=0.0)
         rot += tl.sum(part * wc[:, None], axis=0)
-    tl.store(rot_ptr + r.to(tl.int64) * D + d, rot / total)
-    tl.store(plain_ptr + r.to(tl.int64) * D + d, acc * (wt / total))
+    rot = rot / total
+    plain = acc * (wt / total)
+    orow = out_ptr + r.to(tl.int64) * D
+    if ROTATED:
+        for c0 in tl.static_range(0, D, BN):
+            cols = c0 + tl.arange(0, BN)
+            sg = tl.load(s_ptr + d[:, None] * D + cols[None, :]).to(tl.float32)
+            # plain's columns picked by a one-hot sum (a register vector has no slicing): exact in fp32
+            o = tl.sum(rot[:, None] * sg, axis=0) * inv_sqrt_d + \
+                tl.sum(tl.where(d[:, None] == cols[None, :], plain[:, None], 0.0), axis=0)
+            tl.store(orow + cols, o.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(orow + d, (rot + plain).to(out_ptr.dtype.element_ty))
 
 
 def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device, per_sm: int = 4,
@@ -811,7 +824,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     tail_rows (int32 [S], device) sequence s's tail is row tail_rows[s] of tail_k/v instead (any
     number of rows: vLLM's state slots, read in place). Every sequence needs at least one token.
     rotated=False reads the plain-RTN layout (no query rotation).
-    Launches: query rotation, split kernel (when any group is full), combine + tail, un-rotation.
+    Launches: query rotation, split kernel (when any group is full), combine + tail + un-rotation.
 
     variant: None (default_variant: v5 on a CUDA GPU with Gluon, else v3),
     "v5" (kvarn_gluon.decode_split_v5: v4 fed by a ring of ``stages`` tiles (default 2) that cp.async
@@ -893,18 +906,16 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
             kw["maxnreg"] = maxnreg
         kernel[(s_, hkv, nsplit)](qr, pool, pool.view(torch.float16), block_table, block_table.stride(0), n_groups,
                                   o_part, ml, lay.page_bytes, gps, **kw)
-    rot = torch.empty(s_, hq, d, dtype=torch.float32, device=q.device)
-    plain = torch.empty_like(rot)
-    _decode_combine_kernel[(s_ * hq,)](o_part, ml, qc, q_scale, tail_k, tail_v, tail_len,
-                                       tail_len if tail_rows is None else tail_rows, tail_k.stride(0), tail_k.stride(1),
-                                       rot, plain, HKV=hkv, QPK=qpk, D=d, T=t, NSPLIT=nsplit,
-                                       NSPLIT_P2=max(8, triton.next_power_of_2(nsplit)), TAIL_T=16,
-                                       TAIL_ROWS=tail_rows is not None, num_warps=4)
     if out is None:
         out = torch.empty_like(q)
-    if rotated:
-        return rotate(rot, add=plain, out=out)
-    out.copy_(rot + plain)
+    dst = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    _decode_combine_kernel[(s_ * hq,)](o_part, ml, qc, q_scale, tail_k, tail_v, tail_len,
+                                       tail_len if tail_rows is None else tail_rows, tail_k.stride(0), tail_k.stride(1),
+                                       dst, _signs(d, q.device), 1.0 / math.sqrt(d), HKV=hkv, QPK=qpk, D=d, T=t,
+                                       NSPLIT=nsplit, NSPLIT_P2=max(8, triton.next_power_of_2(nsplit)), TAIL_T=16,
+                                       TAIL_ROWS=tail_rows is not None, ROTATED=rotated, BN=32, num_warps=4)
+    if dst is not out:
+        out.copy_(dst)
     return out
 
 
