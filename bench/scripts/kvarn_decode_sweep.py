@@ -56,8 +56,9 @@ were slower there), and v3 (codes read as stored, K's as the large dot operand) 
 default pipelining; unpack "ptx" the magic number four codes at a time in inline PTX; maxnreg 128 two 8-warp
 programs an SM, with spills (the last two added 2026-12-06, docs/kvarn.md); v4 (Gluon, one warp a program, one
 tiling) at its default splits and others, both unpacks; v5 (v4 fed by a ring of tiles in shared memory) at its
-default ring depth (4) and splits, and others (2026-12-07: split counts around one wave of resident one-warp
-programs, and register caps of 168 and 128: 12 and 16 programs an SM, with spills, against 8 at 255).
+default ring depth (2; 4 until 2026-12-07) and splits, and others (2026-12-07: split counts around one wave of
+resident one-warp programs, and register caps of 168 and 128: 12 and 16 programs an SM, with spills, against 8 at
+255).
 precise "kv" is v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
 SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
 
@@ -110,6 +111,7 @@ def main() -> int:
         return 2
     device = torch.device("cpu" if a.smoke else "cuda")
     key = 32768 if 32768 in lengths else lengths[len(lengths) // 2]
+
     def timed(fn):
         return kb.timed_graph(fn, a.warmup, a.iters) if a.graph else kb.timed(fn, device, a.warmup, a.iters)
 

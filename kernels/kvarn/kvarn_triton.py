@@ -763,7 +763,8 @@ GLUON_STAGES = range(2, 10)
 
 def default_variant(device: torch.device) -> str:
     """decode_attention's split kernel when the caller names none: v5 on a CUDA GPU of sm80 or later whose Triton
-    has Gluon (the fastest measured, 1.7x to 2.2x v3 on an H100: docs/kvarn.md), else v3 (the CPU interpreter runs
+    has Gluon (the fastest measured: 1.4x / 1.9x / 2.2x v3 at 8 x 8k / 32k / 128k
+    on an H100, docs/kvarn.md), else v3 (the CPU interpreter runs
     it; Gluon compiles for CUDA only)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and _has_gluon():
         return "v5"
@@ -776,6 +777,8 @@ def _has_gluon() -> bool:
         return importlib.util.find_spec("triton.experimental.gluon") is not None
     except ModuleNotFoundError:
         return False
+
+
 UNPACKS = {"cvt": 0, "magic": 1, "ptx": 2}
 """v3's ways from a code to fp16 (_code's MAGIC): int -> float conversion, the magic number element-wise, or the
 magic number four codes at a time in inline PTX (CUDA only)."""
