@@ -601,6 +601,54 @@ def test_the_vllm_backends_triton_engine_is_attention_over_its_pages(dev, method
     assert all(bool((pool[p] == 0xA5).all()) for p in set(range(15)) - owned), f"a page nobody owns changed: {where}"
 
 
+def test_the_triton_engines_decode_plan_is_built_once_a_step_and_shared_by_its_layers(dev):
+    """vLLM runs every kvarn layer of a step with one KvarnMetadata; step_triton builds the decodes' index plan
+    (rows, tail rows and positions, groups, pages to pack) in its ``plans`` dict once and the step's other layers
+    reuse it. Two layers (own pools and tails, the same tokens) through a prompt chunk, then decodes that cross a
+    group boundary, sharing each step's dict: one plan a decode step, not two; both layers' outputs, pages and
+    tails bit-identical to a third layer run alone with no dict."""
+    pytest.importorskip("vllm", reason="the backend is vLLM's (kernels/kvarn/vllm_backend.py)")
+    kt, device = dev
+    be = load_file(KERNEL_DIR / "vllm_backend.py", "vllm_rig_kvarn")
+    seed = _fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d, grp = 8, 4, 256, kt.reference.GROUP_TOKENS
+    impl = be.KvarnAttentionImpl(hq, d, 1 / d ** 0.5, hkv, None, None, "kvarn")
+    table = torch.tensor([[3, 1, 0], [2, 5, 4]], dtype=torch.int32, device=device)
+    slots = [1, 0]
+    steps = [[126, 127], [1, 1], [1, 1], [1, 1]]  # request 1 fills its first group at step 1, request 0 at step 2
+    total = [sum(st[i] for st in steps) for i in range(2)]
+    kv = [[torch.randn(n, h, d, generator=g).bfloat16() for h in (hkv, hkv, hq)] for n in total]
+
+    def layer():
+        return (torch.full((6, impl.page_bytes), 0xA5, dtype=torch.uint8, device=device),
+                *(torch.full((2, grp, hkv, d), float("nan"), dtype=torch.bfloat16, device=device) for _ in "kv"))
+
+    layers, alone = [layer(), layer()], layer()
+    seen, outs = [0, 0], {0: [], 1: [], "alone": []}
+    for step in steps:
+        before = list(seen)
+        seen = [a + b for a, b in zip(seen, step, strict=True)]
+        qsl = [0, step[0], step[0] + step[1]]
+        cat = [torch.cat([kv[r][j][before[r]:seen[r]] for r in range(2)]).to(device) for j in range(3)]
+        plans, built = {}, be.STATS["decode_plans"]
+        for name, (pool, tk, tv) in [(0, layers[0]), (1, layers[1]), ("alone", alone)]:
+            out = torch.full(cat[2].shape, float("nan"), dtype=torch.float32, device=device)
+            impl.step_triton(cat[2], cat[0], cat[1], out, pool, qsl, seen, table, slots, tk, tv,
+                             plans=None if name == "alone" else plans)
+            outs[name].append(out.cpu())
+        decodes = step == [1, 1]
+        assert be.STATS["decode_plans"] - built == (2 if decodes else 0), f"plans built in step {step}, seed {seed}"
+    for i in range(len(steps)):
+        assert not outs["alone"][i].isnan().any(), f"step {i}: outputs left unwritten, seed {seed}"
+        for name in (0, 1):
+            assert torch.equal(outs[name][i], outs["alone"][i]), f"layer {name}, step {i}: seed {seed}"
+    for pool, tk, tv in layers:
+        assert torch.equal(pool, alone[0]) and torch.equal(tk, alone[1]) and torch.equal(tv, alone[2]), seed
+    packed = (alone[0] != 0xA5).any(dim=1).tolist()  # pages 3 and 2: each request's first group, packed while decoding
+    assert packed == [False, False, True, True, False, False], f"pages written {packed}, seed {seed}"
+
+
 # ----------------------------------------------------------------------------- GPU scale
 
 @pytest.mark.gpu

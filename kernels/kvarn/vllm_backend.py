@@ -43,7 +43,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -88,7 +88,7 @@ docstring says what each does. Read once, when the patch loads this module in th
 ENGINES = ("auto", "torch", "triton")
 LOG_EVERY_S = 10.0
 """Seconds between the backend's progress lines in the server log (the first group packed logs at once)."""
-STATS = {"groups_packed": 0, "group_reads": 0, "steps": 0}
+STATS = {"groups_packed": 0, "group_reads": 0, "steps": 0, "decode_plans": 0}
 """What this process's kvarn layers did, summed over layers (the log line reports it)."""
 _logged = [0.0]
 COMPANION = "rig_companion"
@@ -151,6 +151,14 @@ class KvarnTailMetadata:
     """Each request's tail slot this step: its block in the tail group (one block a request), batch order."""
 
     slots: torch.Tensor
+    _host: list[int] | None = field(default=None, repr=False)
+
+    def slots_host(self) -> list[int]:
+        """slots as a host list, read from the device once a step (the step's first kvarn layer waits for it; the
+        other layers of the step reuse it rather than each stalling the GPU queue on a device-to-host copy)."""
+        if self._host is None:
+            self._host = self.slots.tolist()
+        return self._host
 
 
 class KvarnTailMetadataBuilder(AttentionMetadataBuilder[KvarnTailMetadata]):
@@ -252,6 +260,16 @@ class KvarnMetadata:
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
     block_table: torch.Tensor
+    plans: dict = field(default_factory=dict, repr=False)
+    """What every kvarn layer of this step derives alike from the step (host lists, the decodes' index tensors),
+    built by the first layer that needs it: the metadata object lives one step and is shared by the step's
+    layers."""
+
+    def host(self) -> tuple[list[int], list[int]]:
+        """(query start offsets, sequence lengths) as host lists, once a step."""
+        if "host" not in self.plans:
+            self.plans["host"] = (self.query_start_loc_cpu.tolist(), self.seq_lens_cpu.tolist())
+        return self.plans["host"]
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
@@ -267,6 +285,46 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                              query_start_loc_cpu=c.query_start_loc_cpu[: c.num_reqs + 1],
                              seq_lens_cpu=c.seq_lens_cpu[: c.num_reqs],
                              block_table=c.block_table_tensor[: c.num_reqs])
+
+
+@dataclass
+class _DecodePlan:
+    """The decodes of one step (one new token a request), as every kvarn layer of the step indexes them: which
+    tokens, which tail rows and positions, each request's groups and pages, which tails fill and where they are
+    packed. Layer-independent (the block table and the slots are the step's), so a step builds it once, not once a
+    layer: a dozen small host-to-device copies and gathers fewer per layer."""
+
+    at: torch.Tensor            # the decode tokens' rows in the step's batch
+    slots: torch.Tensor         # their tail rows (int64, for indexing)
+    slots32: torch.Tensor       # the same, int32 (decode_attention's tail_rows)
+    held: torch.Tensor          # where the new token goes in its tail (tokens cached % 128)
+    tail_len: torch.Tensor      # int32: held + 1
+    table: torch.Tensor         # the decoding requests' rows of the block table
+    groups: torch.Tensor        # int32: full groups a request has
+    max_groups: int
+    group_reads: int
+    full_pages: torch.Tensor | None   # pages the tails that fill this step are packed into (None: none fill)
+    full_slots: torch.Tensor | None   # those tails' rows
+
+    @classmethod
+    def build(cls, one: list[int], qsl: list[int], lens: list[int], slots: list[int], table: torch.Tensor,
+              dev: torch.device) -> _DecodePlan:
+        """The plan of requests ``one`` (each decoding one token; batch order) of a step."""
+        ctx = [lens[r] - 1 for r in one]
+        done = [c // GROUP for c in ctx]
+        rows = torch.tensor(one, device=dev)
+        slot = torch.tensor([slots[r] for r in one], device=dev)
+        held = torch.tensor([c % GROUP for c in ctx], device=dev)
+        full = [i for i, c in enumerate(ctx) if c % GROUP == GROUP - 1]
+        fi = torch.tensor(full, device=dev) if full else None
+        STATS["decode_plans"] += 1
+        return cls(at=torch.tensor([qsl[r] for r in one], device=dev), slots=slot, slots32=slot.to(torch.int32),
+                   held=held, tail_len=(held + 1).to(torch.int32), table=table[rows],
+                   groups=torch.tensor(done, dtype=torch.int32, device=dev), max_groups=max(done),
+                   group_reads=sum(done),
+                   full_pages=None if fi is None else table[rows[fi], torch.tensor([done[i] for i in full],
+                                                                                    device=dev)],
+                   full_slots=None if fi is None else slot[fi])
 
 
 class KvarnAttentionImpl(AttentionImpl):
@@ -309,13 +367,16 @@ class KvarnAttentionImpl(AttentionImpl):
             return output.fill_(0)
         tail = getattr(layer, COMPANION)
         tail_k, tail_v = (t[:, layer.rig_kvarn_slot] for t in tail.kv_cache)
-        slots = get_forward_context().attn_metadata[tail.prefix].slots.tolist()
+        slots = get_forward_context().attn_metadata[tail.prefix].slots_host()
         pages = kv_cache.view(-1, self.page_bytes)
-        qsl = attn_metadata.query_start_loc_cpu.tolist()
-        lens = attn_metadata.seq_lens_cpu.tolist()
+        qsl, lens = attn_metadata.host()
         packed = STATS["groups_packed"]
-        step = self.step_triton if self.engine == "triton" else self.step_torch
-        step(query, key, value, output, pages, qsl, lens, attn_metadata.block_table, slots, tail_k, tail_v)
+        if self.engine == "triton":
+            self.step_triton(query, key, value, output, pages, qsl, lens, attn_metadata.block_table, slots, tail_k,
+                             tail_v, plans=attn_metadata.plans)
+        else:
+            self.step_torch(query, key, value, output, pages, qsl, lens, attn_metadata.block_table, slots, tail_k,
+                            tail_v)
         STATS["steps"] += 1
         _report(self.engine, first=packed == 0 < STATS["groups_packed"])
         return output
@@ -331,50 +392,45 @@ class KvarnAttentionImpl(AttentionImpl):
                               tail_k[slot], tail_v[slot], length)
 
     def step_triton(self, query, key, value, output, pages, qsl: list[int], lens: list[int], table: torch.Tensor,
-                    slots: list[int], tail_k, tail_v) -> None:
+                    slots: list[int], tail_k, tail_v, plans: dict | None = None) -> None:
         """One step of every request with the Triton engine: the decodes batched, each chunk on its own.
 
         ``pages`` [blocks, page_bytes] uint8, ``table`` [requests, blocks] int32 (a request's page of each group),
         ``tail_k``/``tail_v`` [slots, 128, kv heads, head_size] (the companion's rows of this layer), all on the
-        device; ``qsl``, ``lens`` and ``slots`` (each request's tail row) on the host, batch order.
+        device; ``qsl``, ``lens`` and ``slots`` (each request's tail row) on the host, batch order. ``plans``: the
+        step's shared dict (KvarnMetadata.plans), where the decodes' plan is built once for all layers.
         """
         kt, rot, lay = _kernels(), METHOD == "kvarn", self.layout
-        dev = query.device
         one = [r for r in range(len(lens)) if qsl[r + 1] - qsl[r] == 1]
         if one:
-            self._decodes(kt, lay, rot, query, key, value, output, pages, table, tail_k, tail_v,
-                          [qsl[r] for r in one], [lens[r] - 1 for r in one], torch.tensor(one, device=dev),
-                          torch.tensor([slots[r] for r in one], device=dev))
+            plans = {} if plans is None else plans
+            pk = ("decodes", tuple(slots))
+            if pk not in plans:
+                plans[pk] = _DecodePlan.build(one, qsl, lens, slots, table, query.device)
+            self._decodes(kt, lay, rot, query, key, value, output, pages, tail_k, tail_v, plans[pk])
         for r in range(len(lens)):
             q0, q1 = qsl[r], qsl[r + 1]
             if q1 - q0 > 1:
                 self._chunk(kt, lay, rot, query[q0:q1], key[q0:q1], value[q0:q1], output[q0:q1], pages, table[r],
                             tail_k[slots[r]], tail_v[slots[r]], lens[r])
 
-    def _decodes(self, kt, lay, rot: bool, query, key, value, output, pages, table, tail_k, tail_v, tokens: list[int],
-                 ctx: list[int], rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Decode tokens (one a request, ``ctx`` tokens cached before each): write, attend, pack full tails."""
-        dev = query.device
-        at = torch.tensor(tokens, device=dev)
-        done = [c // GROUP for c in ctx]
-        held = torch.tensor([c % GROUP for c in ctx], device=dev)
-        tail_k[slots, held] = key[at].to(tail_k.dtype)
-        tail_v[slots, held] = value[at].to(tail_v.dtype)
-        q = query[at]
+    def _decodes(self, kt, lay, rot: bool, query, key, value, output, pages, tail_k, tail_v,
+                 plan: _DecodePlan) -> None:
+        """Decode tokens (one a request, per ``plan``): write, attend, pack full tails."""
+        tail_k[plan.slots, plan.held] = key[plan.at].to(tail_k.dtype)
+        tail_v[plan.slots, plan.held] = value[plan.at].to(tail_v.dtype)
+        q = query[plan.at]
         if not math.isclose(self.scale * math.sqrt(self.head_size), 1.0, rel_tol=1e-6):
             q = q * (self.scale * math.sqrt(self.head_size))  # decode_attention scales by 1/sqrt(head_size)
-        i32 = {"dtype": torch.int32, "device": dev}
-        out = kt.decode_attention(q, pages, table[rows], torch.tensor(done, **i32), max(done), tail_k, tail_v,
-                                  (held + 1).to(torch.int32), layout=lay, rotated=rot, tail_rows=slots.to(torch.int32),
-                                  out=torch.empty(q.shape, dtype=torch.float32, device=dev))  # one rounding, below
-        output[at] = out.to(output.dtype)
-        STATS["group_reads"] += sum(done)
-        full = [i for i, c in enumerate(ctx) if c % GROUP == GROUP - 1]
-        if full:
-            fi = torch.tensor(full, device=dev)
-            page = table[rows[fi], torch.tensor([done[i] for i in full], device=dev)]
-            kt.quantize_groups(pages, page, tail_k[slots[fi]], tail_v[slots[fi]], lay, rot, rot)
-            STATS["groups_packed"] += len(full)
+        out = kt.decode_attention(q, pages, plan.table, plan.groups, plan.max_groups, tail_k, tail_v, plan.tail_len,
+                                  layout=lay, rotated=rot, tail_rows=plan.slots32,
+                                  out=torch.empty(q.shape, dtype=torch.float32, device=q.device))  # one rounding
+        output[plan.at] = out.to(output.dtype)
+        STATS["group_reads"] += plan.group_reads
+        if plan.full_pages is not None:
+            kt.quantize_groups(pages, plan.full_pages, tail_k[plan.full_slots], tail_v[plan.full_slots], lay, rot,
+                               rot)
+            STATS["groups_packed"] += plan.full_pages.numel()
 
     def _chunk(self, kt, lay, rot: bool, q, k_new, v_new, out, pages, table, tail_k, tail_v, length: int) -> None:
         """A chunk of ``n`` > 1 tokens of one request: attend over its pages, dequantized on the device a block of
