@@ -57,9 +57,9 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
     combine = {"o_ptr": "*fp32", "ml_ptr": "*fp32", "q_ptr": "*bf16", "q_scale": "fp32", "tk_ptr": "*bf16",
                "tv_ptr": "*bf16", "tail_len_ptr": "*i32", "tail_row_ptr": "*i32", "stride_ts": "i32",
                "stride_tt": "i32", "out_ptr": "*bf16", "s_ptr": "*fp16", "inv_sqrt_d": "fp32"}
-    rot = {"x_ptr": "*fp32", "s_ptr": "*fp16", "add_ptr": "*fp32", "o_ptr": "*bf16", "M": "i32", "inv_sqrt_d": "fp32"}
+    rot = {"x_ptr": "*fp32", "s_ptr": "*fp16", "o_ptr": "*bf16", "M": "i32", "inv_sqrt_d": "fp32"}
     return [
-        ("rotate", kt._rotate_kernel, rot, dict(D=256, BM=32, BN=64, HAS_ADD=True), {"num_warps": 4}),
+        ("rotate", kt._rotate_kernel, rot, dict(D=256, BM=32, BN=64), {"num_warps": 4}),
         ("quantize K", kt._quantize_kernel, {"y_ptr": "*fp32", **page}, dict(quant, BITS=4), {"num_warps": 16}),
         ("quantize V", kt._quantize_kernel, {"y_ptr": "*fp32", **page}, dict(quant, BITS=2), {"num_warps": 16}),
         ("dequant K", kt._dequant_kernel, {**page, "o_ptr": "*fp32"}, dict(HEADS=4, T=128, D=256, BITS=4),

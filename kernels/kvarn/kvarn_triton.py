@@ -157,10 +157,9 @@ def _split16(x):
 # ----------------------------------------------------------------------------- rotation
 
 @triton.jit
-def _rotate_kernel(x_ptr, s_ptr, add_ptr, o_ptr, M, inv_sqrt_d,
-                   D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_ADD: tl.constexpr):
-    """o[rows, cols] = (x[rows] @ signs[:, cols]) * inv_sqrt_d (+ add): a tile of x @ H in ~fp32 precision
-    (inv_sqrt_d: 1 / sqrt(D), times any scale the caller folds in)."""
+def _rotate_kernel(x_ptr, s_ptr, o_ptr, M, inv_sqrt_d, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """o[rows, cols] = (x[rows] @ signs[:, cols]) * inv_sqrt_d: a tile of x @ H in ~fp32 precision (inv_sqrt_d:
+    1 / sqrt(D), times any scale the caller folds in)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     k = tl.arange(0, D)
@@ -173,27 +172,23 @@ def _rotate_kernel(x_ptr, s_ptr, add_ptr, o_ptr, M, inv_sqrt_d,
     acc = tl.dot(hi, s, out_dtype=tl.float32) + tl.dot(lo, s, out_dtype=tl.float32)
     acc = acc * (p2 * inv_sqrt_d)[:, None]
     offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-    if HAS_ADD:
-        acc += tl.load(add_ptr + offs, mask=rmask[:, None], other=0.0)
     tl.store(o_ptr + offs, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
-def rotate(x: torch.Tensor, add: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
-    """scale * x [..., D] @ H (+ add, fp32 [..., D]) into out (or a new tensor of ``dtype``): Hadamard in fp32
-    precision; x in any float dtype (the kernel reads it as stored: no cast or scaling launch before it)."""
+def rotate(x: torch.Tensor, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    """scale * x [..., D] @ H as a new tensor of ``dtype``: Hadamard in fp32 precision; x in any float dtype (the
+    kernel reads it as stored: no cast or scaling launch before it). (The decode's un-rotation, which added the
+    tail's share, is done inside its combine kernel since 2026-12-07.)"""
     d = x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()
-    if out is None:
-        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
     o2 = out.view(-1, d)
-    a2 = add.reshape(-1, d).contiguous().float() if add is not None else o2
     m = x2.shape[0]
     if m:
         # compiled: small tiles (registers); interpreter (CPU tensors): few big programs, numpy does the work
         bm, bn = (32, min(64, d)) if x.is_cuda else (128, d)
-        _rotate_kernel[(triton.cdiv(m, bm), d // bn)](x2, _signs(d, x.device), a2, o2, m, scale / math.sqrt(d),
-                                                       D=d, BM=bm, BN=bn, HAS_ADD=add is not None, num_warps=4)
+        _rotate_kernel[(triton.cdiv(m, bm), d // bn)](x2, _signs(d, x.device), o2, m, scale / math.sqrt(d),
+                                                       D=d, BM=bm, BN=bn, num_warps=4)
     return out
 
 
