@@ -38,6 +38,7 @@ this repo; no code was copied.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import sys
@@ -756,11 +757,12 @@ GLUON_STAGES = range(2, 10)
 """v5's ring depths: at least 2 (one tile read while the next lands), at most one group ahead (128 / 16 + 1)."""
 
 
+@functools.cache
 def default_variant(device: torch.device) -> str:
     """decode_attention's split kernel when the caller names none: v5 on a CUDA GPU of sm80 or later whose Triton
     has Gluon (the fastest measured: 1.4x / 1.9x / 2.2x v3 at 8 x 8k / 32k / 128k
     on an H100, docs/kvarn.md), else v3 (the CPU interpreter runs
-    it; Gluon compiles for CUDA only)."""
+    it; Gluon compiles for CUDA only). Memoized per device: decode_attention asks on every call."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and _has_gluon():
         return "v5"
     return "v3"
