@@ -126,6 +126,22 @@ def timed_graph(fn, warmup: int, iters: int, reps: int = 10) -> float:
     return timed(replays, torch.device("cuda"), warmup, iters) / reps
 
 
+def host_time(fn, calls: int, warmup: int = 5) -> float:
+    """Mean host seconds of one fn() call over ``calls`` back-to-back calls, the GPU drained before and after: the
+    host's cost of an eager call (Python and its launches) where the GPU's work is shorter (a short context)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    return dt
+
+
 def kvarn_cache(kt, k, v, seqs: int, rotated: bool):
     """One packed cache of k, v [L, 4, 256] (L % 128 == 0) shared by ``seqs`` sequences (same block table)."""
     import torch

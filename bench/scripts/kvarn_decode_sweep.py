@@ -195,8 +195,6 @@ def kernel_times(kt, cfg: dict, n: int, batch: int, device) -> None:
     """What one decode_attention call costs where: each CUDA kernel it launches with its mean GPU time, the host's
     time a call (a loop of launches the GPU keeps up with: the eager cost of Python and the launches) and the
     host operations that take most of it (torch profiler, 10 calls)."""
-    import time
-
     import torch
 
     x = kb.decode_setup(kt, n, batch, device)
@@ -222,14 +220,7 @@ def kernel_times(kt, cfg: dict, n: int, batch: int, device) -> None:
     for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:8]:
         print(f"  {e.self_cpu_time_total / 10:9.1f} µs  x{e.count // 10:<3} {e.key[:90]}")
     small = kb.decode_setup(kt, 1024, batch, device)  # a short context: the GPU outruns the host
-    for _ in range(3):
-        kt.decode_attention(small["q"], *small["args"], **cfg)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(200):
-        kt.decode_attention(small["q"], *small["args"], **cfg)
-    host_s = (time.perf_counter() - t0) / 200
-    torch.cuda.synchronize()
+    host_s = kb.host_time(lambda: kt.decode_attention(small["q"], *small["args"], **cfg), 200, warmup=3)
     print(f"host time a call (200 calls at 1,024 tokens, launches only): {host_s * 1e6:,.1f} µs")
     return None
 

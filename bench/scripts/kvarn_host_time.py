@@ -18,7 +18,6 @@ import argparse
 import cProfile
 import pstats
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -30,18 +29,8 @@ from rig.kernels import load_file  # noqa: E402
 
 
 def host_us(kt, x: dict, variant: str, calls: int) -> float:
-    """Mean host microseconds of one eager call (after 5 warm calls; the GPU drained before and after)."""
-    import torch
-
-    for _ in range(5):
-        kt.decode_attention(x["q"], *x["args"], variant=variant)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        kt.decode_attention(x["q"], *x["args"], variant=variant)
-    dt = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return dt
+    """Mean host microseconds of one eager call of ``kt``'s decode_attention (kvarn_bench.host_time)."""
+    return kb.host_time(lambda: kt.decode_attention(x["q"], *x["args"], variant=variant), calls) * 1e6
 
 
 def main() -> int:
