@@ -340,7 +340,11 @@ DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"vari
                                 id="v3-cvt-k-block64"),
                    pytest.param({"variant": "v3", "unpack": "ptx"}, id="v3-ptx"),
                    pytest.param({"variant": "v4", "unpack": "ptx"}, id="v4-ptx"),
-                   GLUON_V5, pytest.param({"variant": "v5", "stages": 2}, id="v5-s2")]
+                   GLUON_V5, pytest.param({"variant": "v5", "stages": 2}, id="v5-s2"),
+                   pytest.param({"variant": "v5", "precise": "k"}, id="v5-precise-k"),
+                   pytest.param({"variant": "v5", "unpack": "subnormal"}, id="v5-subnormal"),
+                   pytest.param({"variant": "v5", "unpack": "subnormal", "precise": "k", "chains": 4},
+                                id="v5-subnormal-k-c4")]
 """decode_attention's split kernels (and their knobs) that every decode check runs (v5 is the default on a GPU, v3
 elsewhere: test_the_default_decode_kernel_is_v5_on_a_gpu_and_v3_elsewhere); the first four are four kernels at their
 defaults. unpack "ptx" (inline PTX), v4 and v5 (Gluon): compiled (CUDA) runs only."""
@@ -427,7 +431,9 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                   {"variant": "v3", "maxnreg": 128}, {"variant": "v3", "maxnreg": 128, "unpack": "ptx"},
                   {"variant": "v4"}, {"variant": "v4", "splits": 1}, {"variant": "v4", "splits": 5, "unpack": "ptx"},
                   {"variant": "v5"}, {"variant": "v5", "splits": 1}, {"variant": "v5", "splits": 5, "stages": 9},
-                  {"variant": "v5", "stages": 2, "splits": 2}, {"variant": "v5", "maxnreg": 168, "splits": 3}]
+                  {"variant": "v5", "stages": 2, "splits": 2}, {"variant": "v5", "maxnreg": 168, "splits": 3},
+                  {"variant": "v5", "chains": 2}, {"variant": "v5", "chains": 4, "splits": 3},
+                  {"variant": "v5", "unpack": "subnormal"}, {"variant": "v5", "unpack": "subnormal", "chains": 4}]
                  if device == "cuda" else [])):
         got = cache.decode(q, **{"variant": "v2", **kw}).float()
         rel = ((got - v1).norm() / v1.norm()).item()
@@ -435,7 +441,8 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
     for bad, name in (({"variant": "v6"}, "variant"), ({"variant": "v2", "block_t": 48}, "block_t"),
                       ({"variant": "v3", "block_t": 8}, "block_t"), ({"variant": "v3", "unpack": "int"}, "unpack"),
                       ({"stages": 0}, "stages"), ({"maxnreg": 16}, "maxnreg"),
-                      ({"variant": "v2", "unpack": "cvt"}, "v3/v4 knob"),
+                      ({"variant": "v2", "unpack": "cvt"}, "v3/v4 knob"), ({"precise": "q"}, "precise"),
+                      ({"variant": "v3", "chains": 2}, "v5 knob"), ({"variant": "v3", "unpack": "subnormal"}, "v5's"),
                       *([({"unpack": "ptx"}, "CUDA tensors only"), ({"variant": "v4"}, "CUDA only"),
                          ({"variant": "v5"}, "CUDA only")]
                         if device == "cpu" else
@@ -445,7 +452,8 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                          ({"variant": "v4", "stages": 2}, "one tiling"),
                          ({"variant": "v4", "maxnreg": 128}, "one tiling"), ({"variant": "v5", "stages": 1}, "2 ... 9"),
                          ({"variant": "v5", "stages": 10}, "2 ... 9"), ({"variant": "v5", "unpack": "ptx"}, "own PTX"),
-                         ({"variant": "v5", "num_warps": 4}, "one tiling")])):
+                         ({"variant": "v5", "num_warps": 4}, "one tiling"), ({"variant": "v5", "chains": 3}, "chains"),
+                         ({"variant": "v4", "unpack": "subnormal"}, "v5's")])):
         with pytest.raises(ValueError, match=name):
             cache.decode(q, **bad)
 
@@ -469,15 +477,17 @@ def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_wit
         for row in json.loads(out.read_text())["rows"]:
             if row["name"].startswith("decode split") and not row["name"].split()[-1].startswith("r"):  # no caps
                 rows[row["name"], row["arch"]] = row
-    names = sorted({name for name, _ in rows})
-    assert names == ["decode split v3 t128 w8 s1 kv magic", "decode split v4 magic", "decode split v4 ptx",
-                     "decode split v5 s2", "decode split v5 s4"] and len(rows) == 10, sorted(rows)
+    names = {name for name, _ in rows}
+    assert {"decode split v3 t128 w8 s1 kv magic", "decode split v4 magic", "decode split v4 ptx",
+            "decode split v5 s2", "decode split v5 s4", "decode split v5 s2 k", "decode split v5 s2 sub",
+            "decode split v5 s2 c4"} <= names, sorted(names)
+    assert len(rows) == 2 * len(names), sorted(rows)
     for (name, arch), row in rows.items():
         assert not row["error"] and row["registers"] > 0 and row["fits"], f"{name} {arch} did not compile: {row}"
         light = row["shared_bytes"] == 0 and row["barriers"] == 0
         assert light == name.startswith("decode split v4"), f"{name} {arch}: {row['shared_bytes']} B shared, {row}"
         if name.startswith("decode split v5"):
-            stages = int(name.rsplit("s", 1)[1])
+            stages = int(name.split()[3].removeprefix("s"))
             assert row["shared_bytes"] == stages * (2048 + 1024 + 512) and row["barriers"] == 1, (name, arch, row)
 
 

@@ -274,63 +274,120 @@ def decode_split_v4(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
 
 # ----------------------------------------------------------------------------- v5: v4 fed by a cp.async ring
 
-K_WORD = gl.constexpr(
-    "{ .reg .b32 t, m; mov.b32 m, 0x64006400; "
-    "lop3.b32 $0, $4, 0x000f000f, 0x64006400, 0xea; "
-    "shr.b32 t, $4, 8; lop3.b32 $1, t, 0x000f000f, 0x64006400, 0xea; "
-    "shr.b32 t, $4, 4; lop3.b32 $2, t, 0x000f000f, 0x64006400, 0xea; "
-    "shr.b32 t, $4, 12; lop3.b32 $3, t, 0x000f000f, 0x64006400, 0xea; "
-    "sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; sub.f16x2 $2, $2, m; sub.f16x2 $3, $3, m; }")
-"""One K code word (4 bytes, 8 nibbles) -> 8 fp16 as two outputs of 4 (pack 4: output 0 is $0 $1, output 1 $2 $3):
-the low nibbles, then the high ones, each as pairs (byte 0, byte 2), (byte 1, byte 3): (w >> s) & 0x000f000f |
-0x64006400 is fp16x2 (1024 + code) in one lop3, then one subtraction for two codes. 3 shifts, 4 lop3 and 4
-sub.f16x2 a word, where v4's per-byte PTX spends 7 instructions on four codes."""
+def _k_word_ptx(subnormal: bool) -> str:
+    """One K code word (4 bytes, 8 nibbles) -> 8 fp16 as two outputs of 4 (pack 4: output 0 is $0 $1, output 1 $2
+    $3): the low nibbles, then the high ones, each as pairs (byte 0, byte 2), (byte 1, byte 3). Magic: (w >> s) &
+    0x000f000f | 0x64006400 is fp16x2 (1024 + code) in one lop3, then one subtraction for two codes (3 shifts, 4
+    lop3, 4 sub.f16x2 a word, where v4's per-byte PTX spends 7 instructions on four codes). Subnormal: (w >> s) &
+    0x000f000f alone is fp16x2 (code x 2^-24), exact (fp16's subnormals are multiples of 2^-24, which the tensor
+    cores multiply as they are): 3 shifts and 4 lop3, and the kernel scales the dots by 2^24 (SUBNORMAL_UNIT)."""
+    lop = "and.b32 {d}, {s}, 0x000f000f;" if subnormal else "lop3.b32 {d}, {s}, 0x000f000f, 0x64006400, 0xea;"
+    out = ["{ .reg .b32 t, m; mov.b32 m, 0x64006400;", lop.format(d="$0", s="$4")]
+    for reg, shift in ((1, 8), (2, 4), (3, 12)):
+        out.append(f"shr.b32 t, $4, {shift}; " + lop.format(d=f"${reg}", s="t"))
+    if not subnormal:
+        out.append("sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; sub.f16x2 $2, $2, m; sub.f16x2 $3, $3, m;")
+    return " ".join(out) + " }"
 
 
-def _v_word_ptx() -> str:
+K_WORD = gl.constexpr(_k_word_ptx(False))
+"""_k_word_ptx: the magic-number unpack of a K code word."""
+K_WORD_SUB = gl.constexpr(_k_word_ptx(True))
+"""_k_word_ptx: the subnormal unpack of a K code word (no subtraction; values are code x 2^-24)."""
+SUBNORMAL_UNIT = gl.constexpr(16777216.0)
+"""2^24: a code unpacked as an fp16 subnormal stands for code x 2^-24, so dot products of such codes are 2^-24 of
+the true ones (exact: the fp32 accumulator holds them with its full precision, far above fp32's smallest normal)."""
+
+
+def _v_word_ptx(subnormal: bool = False) -> str:
     """Two tokens' V code words (t in $16, t + 1 in $17; 16 crumbs each) -> 32 fp16 as four outputs of 8 (pack 8:
     output c is $(4c) ... $(4c + 3)): byte-permute the words to [t.b0, t.b1, t1.b0, t1.b1] and [t.b2, t.b3,
     t1.b2, t1.b3], then (x >> s) & 0x00030003 | 0x64006400 is (token t, token t + 1) of one crumb as fp16x2 -
-    the pair the P.V A operand holds in one register (its k is the token)."""
+    the pair the P.V A operand holds in one register (its k is the token) - less 1024 (magic), or (x >> s) &
+    0x00030003 alone, the codes x 2^-24 as fp16 subnormals (subnormal; see _k_word_ptx)."""
     out = ["{ .reg .b32 lo, hi, t, m; mov.b32 m, 0x64006400; prmt.b32 lo, $16, $17, 0x5410; "
            "prmt.b32 hi, $16, $17, 0x7632;"]
     for crumb in range(4):
         for k, (word, shift) in enumerate((("lo", 0), ("hi", 0), ("lo", 8), ("hi", 8))):
             reg, shift = 4 * crumb + k, shift + 2 * crumb
             src = f"shr.b32 t, {word}, {shift}; " if shift else ""
-            out.append(f"{src}lop3.b32 ${reg}, {'t' if shift else word}, 0x00030003, 0x64006400, 0xea; "
-                       f"sub.f16x2 ${reg}, ${reg}, m;")
+            arg = "t" if shift else word
+            out.append(f"{src}and.b32 ${reg}, {arg}, 0x00030003;" if subnormal else
+                       f"{src}lop3.b32 ${reg}, {arg}, 0x00030003, 0x64006400, 0xea; sub.f16x2 ${reg}, ${reg}, m;")
     return " ".join(out) + " }"
 
 
 V_WORDS = gl.constexpr(_v_word_ptx())
 """_v_word_ptx(): output c's register 2 T0 + B1 holds crumb c of byte 2 B1 + T0 of tokens (t, t + 1)."""
+V_WORDS_SUB = gl.constexpr(_v_word_ptx(True))
+"""_v_word_ptx(subnormal=True): the same registers, codes x 2^-24."""
 
 
 @gluon.jit
-def _k_words(raw, q, dots, A_L: gl.constexpr):
+def _k_words(raw, q, dots, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.constexpr):
     """One 64-channel chunk of a 16-token K tile (raw: [16, 4 (a), 8 (byte)] in K_CHUNK) unpacked a word at a
-    time (K_WORD) and dotted hi + lo; channel map: _q_chunk's WORDS order."""
-    lo, hi = gl.inline_asm_elementwise(K_WORD, "=r,=r,=r,=r,r", [raw], dtype=(gl.float16, gl.float16),
+    time (K_WORD, or K_WORD_SUB: SUB) and dotted with the query's hi (and, PRECISE, its lo) operand; channel map:
+    _q_chunk's WORDS order."""
+    if SUB:
+        asm: gl.constexpr = K_WORD_SUB
+    else:
+        asm: gl.constexpr = K_WORD
+    lo, hi = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [raw], dtype=(gl.float16, gl.float16),
                                        is_pure=True, pack=4)
     # element 2 B0 + B1 of a word's four holds byte 2 B1 + B0 (lop3 pairs bytes 0 and 2): k = nib b2 B0 a1 a0 B1
     a = gl.join(lo, hi).reshape([16, 4, 2, 2, 2, 2]).permute([0, 5, 2, 3, 1, 4]).reshape([16, 64])
     a = gl.convert_layout(a, A_L, assert_trivial=True)
     q_hi, q_lo = q
-    return mma_v2(a, q_lo, mma_v2(a, q_hi, dots))
+    dots = mma_v2(a, q_hi, dots)
+    if PRECISE:
+        dots = mma_v2(a, q_lo, dots)
+    return dots
 
 
 @gluon.jit
-def _v_words(raw, p_hi, p_lo, acc, A_L: gl.constexpr):
+def _k_tile(ks, sl, q0, q1, q2, q3, A_L: gl.constexpr, PRECISE: gl.constexpr, CHAINS: gl.constexpr,
+            SUB: gl.constexpr):
+    """A 16-token tile's raw dots [16, 8] from ring slot sl: four 64-channel chunks in CHAINS independent mma
+    accumulator chains, summed at the end (1: one chain of 16 or 32 dependent mma; 2 or 4: that many shorter
+    chains the warp's scheduler can overlap, for 4 or 12 more registers)."""
+    z = gl.zeros([16, 8], gl.float32, layout=MMA)
+    d0 = _k_words(ks.index(sl * 4 + 0).load(K_CHUNK), q0, z, A_L, PRECISE, SUB)
+    if CHAINS == 4:
+        d1 = _k_words(ks.index(sl * 4 + 1).load(K_CHUNK), q1, z, A_L, PRECISE, SUB)
+        d2 = _k_words(ks.index(sl * 4 + 2).load(K_CHUNK), q2, z, A_L, PRECISE, SUB)
+        d3 = _k_words(ks.index(sl * 4 + 3).load(K_CHUNK), q3, z, A_L, PRECISE, SUB)
+        dots = (d0 + d1) + (d2 + d3)
+    elif CHAINS == 2:
+        d1 = _k_words(ks.index(sl * 4 + 1).load(K_CHUNK), q1, z, A_L, PRECISE, SUB)
+        d0 = _k_words(ks.index(sl * 4 + 2).load(K_CHUNK), q2, d0, A_L, PRECISE, SUB)
+        d1 = _k_words(ks.index(sl * 4 + 3).load(K_CHUNK), q3, d1, A_L, PRECISE, SUB)
+        dots = d0 + d1
+    else:
+        d0 = _k_words(ks.index(sl * 4 + 1).load(K_CHUNK), q1, d0, A_L, PRECISE, SUB)
+        d0 = _k_words(ks.index(sl * 4 + 2).load(K_CHUNK), q2, d0, A_L, PRECISE, SUB)
+        dots = _k_words(ks.index(sl * 4 + 3).load(K_CHUNK), q3, d0, A_L, PRECISE, SUB)
+    return dots
+
+
+@gluon.jit
+def _v_words(raw, p_hi, p_lo, acc, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.constexpr):
     """One 128-channel half of a 16-token V tile (raw: [16 (T), 8 (x), 4 (byte)] in V_HALF) unpacked two tokens'
-    words at a time (V_WORDS), accumulated hi + lo into acc (rows R <-> channel 32 (R & 7) + 16 c + (R >> 3))."""
-    c0, c1, c2, c3 = gl.inline_asm_elementwise(V_WORDS, "=r," * 16 + "r,r", [raw],
+    words at a time (V_WORDS, or V_WORDS_SUB: SUB), accumulated with p's hi (and, PRECISE, its lo) operand into acc
+    (rows R <-> channel 32 (R & 7) + 16 c + (R >> 3))."""
+    if SUB:
+        asm: gl.constexpr = V_WORDS_SUB
+    else:
+        asm: gl.constexpr = V_WORDS
+    c0, c1, c2, c3 = gl.inline_asm_elementwise(asm, "=r," * 16 + "r,r", [raw],
                                                dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
                                                is_pure=True, pack=8)
     # element (T0, B1, B0) of output c holds token 2 (T >> 1) + B0, byte 2 B1 + T0, crumb c
     v = gl.join(gl.join(c0, c1), gl.join(c2, c3)).reshape([8, 2, 8, 2, 2, 2, 2])
     av = gl.convert_layout(v.permute([3, 1, 6, 5, 2, 0, 4]).reshape([128, 16]), A_L, assert_trivial=True)
-    return mma_v2(av, p_lo, mma_v2(av, p_hi, acc))
+    acc = mma_v2(av, p_hi, acc)
+    if PRECISE:
+        acc = mma_v2(av, p_lo, acc)
+    return acc
 
 
 @gluon.jit
@@ -365,13 +422,18 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
                     K_CODES: gl.constexpr, K_TS: gl.constexpr, K_TO: gl.constexpr, K_CS: gl.constexpr,
                     V_CODES: gl.constexpr, V_TS: gl.constexpr, V_TO: gl.constexpr, V_CS: gl.constexpr,
                     HKV: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, T: gl.constexpr,
-                    NSPLIT: gl.constexpr, STAGES: gl.constexpr):
+                    NSPLIT: gl.constexpr, STAGES: gl.constexpr, PRECISE_K: gl.constexpr = True,
+                    PRECISE_V: gl.constexpr = True, CHAINS: gl.constexpr = 1, SUB: gl.constexpr = False):
     """v4's program (s, h, j) with every tile's codes and token scales copied STAGES - 1 tiles ahead into a ring
-    of shared memory (cp.async), so no global load waits in the token loop; codes unpacked a word at a time."""
+    of shared memory (cp.async), so no global load waits in the token loop; codes unpacked a word at a time.
+    PRECISE_K / PRECISE_V: the query / p as fp16 hi + lo operands (two mma each, v1's precision) or hi alone;
+    CHAINS: independent accumulator chains of the scores' mma (_k_tile). SUB: codes unpacked as fp16 subnormals
+    (code x 2^-24, no subtraction: _k_word_ptx), the dots' and P.V sums' unit 2^-24, undone once a group."""
     gl.static_assert(D == 256, "v5's channel maps are for head_dim 256")
     gl.static_assert(QPK <= 8, "v5 holds a KV head's query rows in the mma's 8 columns")
     gl.static_assert(HKV == 4, "v5 reads a tile's token scales as [16 tokens, 4 heads]")
     gl.static_assert(STAGES >= 2 and STAGES <= T // 16 + 1, "the ring looks ahead at most one group")
+    gl.static_assert(CHAINS == 1 or CHAINS == 2 or CHAINS == 4, "the scores' mma run in 1, 2 or 4 chains")
     A_L: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_L: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     ROWS: gl.constexpr = gl.SliceLayout(0, MMA)
@@ -411,6 +473,10 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
         base_n = gl.load(bt_row + gl.minimum(g + 1, g1 - 1)).to(gl.int64) * page_bytes   # the last group: itself
         q0, q1, q2, q3, qsum, amax, vcs, acc0, acc1 = _group_open(f16_ptr, fb, h, qrow, qmask, kb, acc0, acc1,
                                                                  vch0, vch1, K_CS, V_CS, D, ROWS, True)
+        if SUB:  # the dots come out 2^-24 of the true ones, and P.V accumulates in units 2^-24 of acc's
+            amax = amax * SUBNORMAL_UNIT
+            acc0 = acc0 * (1.0 / SUBNORMAL_UNIT)
+            acc1 = acc1 * (1.0 / SUBNORMAL_UNIT)
         tprev = 1.0
         offacc = gl.zeros([8], gl.float32, layout=ROWS)
         for t0 in range(0, T, 16):
@@ -424,18 +490,17 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
                        K_TS, K_TO, V_TS, V_TO)
             async_copy.wait_group(STAGES - 1)        # tile it has landed
             sl = it % STAGES
-            dots = gl.zeros([16, 8], gl.float32, layout=MMA)
-            dots = _k_words(ks.index(sl * 4 + 0).load(K_CHUNK), q0, dots, A_L)
-            dots = _k_words(ks.index(sl * 4 + 1).load(K_CHUNK), q1, dots, A_L)
-            dots = _k_words(ks.index(sl * 4 + 2).load(K_CHUNK), q2, dots, A_L)
-            dots = _k_words(ks.index(sl * 4 + 3).load(K_CHUNK), q3, dots, A_L)
+            dots = _k_tile(ks, sl, q0, q1, q2, q3, A_L, PRECISE_K, CHAINS, SUB)
             m_i, l_i, tprev, offacc, f, p_hi, p_lo = _softmax_tile(
                 dots, amax, qsum, _ring_scale(ss, sl * 4 + 0, hsel, SC_RD, ROWS16),
                 _ring_scale(ss, sl * 4 + 1, hsel, SC_RD, ROWS16), _ring_scale(ss, sl * 4 + 2, hsel, SC_RD, ROWS16),
                 _ring_scale(ss, sl * 4 + 3, hsel, SC_RD, ROWS16), m_i, l_i, tprev, offacc, B_L)
-            acc0 = _v_words(vs.index(sl * 2 + 0).load(V_HALF), p_hi, p_lo, acc0 * f[None, :], A_L)
-            acc1 = _v_words(vs.index(sl * 2 + 1).load(V_HALF), p_hi, p_lo, acc1 * f[None, :], A_L)
+            acc0 = _v_words(vs.index(sl * 2 + 0).load(V_HALF), p_hi, p_lo, acc0 * f[None, :], A_L, PRECISE_V, SUB)
+            acc1 = _v_words(vs.index(sl * 2 + 1).load(V_HALF), p_hi, p_lo, acc1 * f[None, :], A_L, PRECISE_V, SUB)
             it += 1
+        if SUB:
+            acc0 = acc0 * SUBNORMAL_UNIT
+            acc1 = acc1 * SUBNORMAL_UNIT
         acc0, acc1 = _group_close(vcs, acc0, acc1, vch0, vch1, offacc, tprev)
         base = base_n
     async_copy.wait_group(0)

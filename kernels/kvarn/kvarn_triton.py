@@ -753,8 +753,30 @@ V4_SPLITS = (8, 256)
 registers a thread: 65,536 / (255 x 32) = 8 resident), at most V4_SPLITS[1] splits (the other variants': about 4
 eight-warp programs an SM, at most 64). On an H100 at 8 x 32k (CUDA-graph replays, 2026-12-07): 33 splits, one
 wave, 253.4 us; 48 and 96, a part-filled second wave, 327.4 and 323.2 us; 64 (two waves) 285.9 us."""
+
+
+def _resident(device: torch.device, maxnreg: int | None, stages: int) -> int:
+    """How many one-warp v4 / v5 programs an SM holds at once: its 65,536 registers over the kernel's (maxnreg, or
+    the 255 ptxas gives them; allocated 8 a thread at a time), and for v5 its shared memory over the ring's
+    (``stages`` tiles of 3,584 B, plus the 1 KiB the driver reserves a block) where torch reports the SM's.
+    Without a cap that is V4_SPLITS[0] (8); a cap of 200 makes it 10, of 168 12."""
+    if maxnreg is None:
+        return V4_SPLITS[0]
+    regs = 65536 // (32 * -(-maxnreg // 8) * 8)
+    smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 0) \
+        if device.type == "cuda" and stages else 0
+    return max(1, min(regs, smem // (stages * 3584 + 1024)) if smem else regs)
+
+
 GLUON_STAGES = range(2, 10)
 """v5's ring depths: at least 2 (one tile read while the next lands), at most one group ahead (128 / 16 + 1)."""
+GLUON_CHAINS = (1, 2, 4)
+"""v5's ways to run a tile's score mma (kvarn_gluon._k_tile): one accumulator chain, or 2 / 4 independent ones."""
+V5_CHAINS = 1
+"""v5's chains when the caller gives none."""
+PRECISE = ("kv", "k", "v", "")
+"""``precise``: which dot operands are fp16 hi + lo (two mma, ~22 bits: v1's precision) rather than hi alone (11
+bits): the query against K ("k"), p against V ("v"), both (the default) or neither."""
 
 
 @functools.cache
@@ -776,9 +798,10 @@ def _has_gluon() -> bool:
         return False
 
 
-UNPACKS = {"cvt": 0, "magic": 1, "ptx": 2}
+UNPACKS = {"cvt": 0, "magic": 1, "ptx": 2, "subnormal": 3}
 """v3's ways from a code to fp16 (_code's MAGIC): int -> float conversion, the magic number element-wise, or the
-magic number four codes at a time in inline PTX (CUDA only)."""
+magic number four codes at a time in inline PTX (CUDA only); "subnormal" is v5's alone (the code as an fp16
+subnormal, code x 2^-24: no subtraction, kvarn_gluon._k_word_ptx)."""
 DEFAULT_UNPACK = "magic"
 
 
@@ -788,25 +811,27 @@ def _load_gluon():
 
 
 def _check_gluon(variant: str, device: torch.device, block_t: int, num_warps: int, stages: int | None,
-                 maxnreg: int | None, precise: str, unpack: str) -> None:
+                 maxnreg: int | None, precise: str, unpack: str, chains: int | None) -> None:
     """v4's and v5's refusals, before anything launches: CUDA only (Gluon has no interpreter), one tiling; v4
-    unpacks by "magic" or "ptx", v5 by its own word-at-a-time PTX (unpack left out) with a ring of 2 ... 9 tiles and
-    an optional register cap (maxnreg: more one-warp programs an SM, against spills)."""
+    unpacks by "magic" or "ptx" with hi + lo dots, v5 by its own word-at-a-time PTX (unpack left out) with a ring
+    of 2 ... 9 tiles, an optional register cap (maxnreg: more one-warp programs an SM, against spills), ``precise``
+    and the scores' mma in 1, 2 or 4 chains (GLUON_CHAINS)."""
     if device.type != "cuda":
         raise ValueError(f"variant {variant!r} is a Gluon kernel, compiled for CUDA only (q is on {device}); use 'v3'")
     block, warps, _ = DECODE_DEFAULTS[variant]
-    if (block_t, num_warps, precise) != (block, warps, "kv") or (variant == "v4" and (stages or maxnreg)):
+    if (block_t, num_warps) != (block, warps) or (variant == "v4" and (stages or maxnreg or precise != "kv")):
         knobs = "block_t, num_warps, stages, maxnreg and precise" if variant == "v4" else \
-            "block_t, num_warps and precise (stages: the ring's depth; maxnreg: a register cap)"
-        raise ValueError(f"variant {variant!r} has one tiling (16-token tiles, one warp, hi + lo dots): leave {knobs} "
-                         "out")
+            "block_t and num_warps (stages: the ring's depth; maxnreg: a register cap; precise; chains)"
+        raise ValueError(f"variant {variant!r} has one tiling (16-token tiles, one warp): leave {knobs} out")
+    if variant == "v5" and chains is not None and chains not in GLUON_CHAINS:
+        raise ValueError(f"chains {chains}: v5 runs the scores' mma in {' / '.join(map(str, GLUON_CHAINS))} chains")
     if variant == "v5" and stages not in GLUON_STAGES:
         raise ValueError(f"stages {stages}: v5's ring holds {GLUON_STAGES.start} ... {GLUON_STAGES.stop - 1} tiles")
     if variant == "v4" and unpack not in ("magic", "ptx"):
         raise ValueError(f"unpack {unpack!r}: variant 'v4' unpacks by 'magic' or 'ptx'")
-    if variant == "v5" and unpack != DEFAULT_UNPACK:
-        raise ValueError(f"unpack {unpack!r}: variant 'v5' unpacks whole code words in its own PTX (leave unpack "
-                         "out)")
+    if variant == "v5" and unpack not in ("magic", "subnormal"):
+        raise ValueError(f"unpack {unpack!r}: variant 'v5' unpacks whole code words in its own PTX, as 'magic' "
+                         "(1024 + code, less 1024) or 'subnormal' (code x 2^-24, no subtraction)")
 
 
 def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, n_groups: torch.Tensor,
@@ -815,7 +840,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                      splits: int | None = None, block_t: int | None = None, num_warps: int | None = None,
                      variant: str | None = None, precise: str = "kv", tail_rows: torch.Tensor | None = None,
                      stages: int | None = None, unpack: str = DEFAULT_UNPACK,
-                     maxnreg: int | None = None) -> torch.Tensor:
+                     maxnreg: int | None = None, chains: int | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
 
     q [S, HQ, D]; block_table int32 [S, >= max_groups] (page of each full group); n_groups, tail_len
@@ -828,8 +853,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
 
     variant: None (default_variant: v5 on a CUDA GPU with Gluon, else v3),
     "v5" (kvarn_gluon.decode_split_v5: v4 fed by a ring of ``stages`` tiles (default 2) that cp.async
-    fills ahead in shared memory, codes unpacked a word at a time; compiled CUDA only, no other knob but splits
-    and maxnreg),
+    fills ahead in shared memory, codes unpacked a word at a time; compiled CUDA only, no other knob but splits,
+    maxnreg, precise and ``chains``: the scores' mma in 1 (default), 2 or 4 independent accumulator chains),
     "v4" (kvarn_gluon.decode_split_v4, a Gluon kernel: codes straight from global memory into
     tensor-core operands, one warp a program, no shared memory; compiled CUDA only, ``unpack`` "magic" or
     "ptx", no other knob but splits), "v3" (the default without Gluon; _decode_split_kernel_v3: codes read as stored,
@@ -837,8 +862,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     ``unpack`` "magic" (default), "ptx" or "cvt" says how a code becomes fp16: UNPACKS), "v2"
     (_decode_split_kernel_v2: one K and one V dot per tile on codes gathered into a permuted channel
     order; defaults block_t 128, 8 warps) or "v1" (_decode_split_kernel: BLOCK_T-token tiles, 12
-    dots each, always hi + lo; defaults block_t 32, 8 warps), kept as the sweep's references. v2's
-    and v3's dots are x2 (fp16 hi + lo) where ``precise`` names it: "kv" (default), "k", "v" or "".
+    dots each, always hi + lo; defaults block_t 32, 8 warps), kept as the sweep's references. v2's,
+    v3's and v5's dots are x2 (fp16 hi + lo) where ``precise`` names it: "kv" (default), "k", "v" or "".
     splits, block_t (a power of two dividing 128), num_warps, stages (the launch's num_stages: how
     deep Triton pipelines the innermost loop; None: Triton's default), maxnreg (the split kernel's
     register cap per thread, None: ptxas's choice; a cap under the kernel's need spills to local
@@ -858,8 +883,15 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     if unpack != DEFAULT_UNPACK and variant not in ("v3", "v4", "v5"):
         raise ValueError(f"unpack {unpack!r} is a v3/v4 knob; variant {variant!r} unpacks its own way (leave unpack "
                          "out)")
+    if unpack == "subnormal" and variant != "v5":
+        raise ValueError(f"unpack {unpack!r} is v5's alone (whole code words in PTX); variant {variant!r} unpacks "
+                         "by 'magic', 'ptx' or 'cvt'")
+    if precise not in PRECISE:
+        raise ValueError(f"precise {precise!r}: one of {PRECISE} (which operands are fp16 hi + lo)")
+    if chains is not None and variant != "v5":
+        raise ValueError(f"chains {chains} is a v5 knob; variant {variant!r} has no such choice (leave chains out)")
     if variant in ("v4", "v5"):
-        _check_gluon(variant, q.device, block_t, num_warps, stages, maxnreg, precise, unpack)
+        _check_gluon(variant, q.device, block_t, num_warps, stages, maxnreg, precise, unpack, chains)
     if unpack == "ptx" and q.device.type != "cuda":
         raise ValueError(f"unpack {unpack!r} is inline PTX: CUDA tensors only (q is on {q.device}); use 'magic'")
     if maxnreg is not None and not 32 <= maxnreg <= 255:
@@ -876,7 +908,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     q_scale = LOG2E / math.sqrt(d)
     qc = q.contiguous()  # the combine kernel and the rotation read it as stored and scale it themselves
     gluon = variant in ("v4", "v5")
-    gps, nsplit = _splits(s_, hkv, max_groups, q.device, *(V4_SPLITS if gluon else ()), one_wave=gluon)
+    per_sm = _resident(q.device, maxnreg, stages if variant == "v5" else 0) if gluon else 4
+    gps, nsplit = _splits(s_, hkv, max_groups, q.device, per_sm, V4_SPLITS[1] if gluon else 64, one_wave=gluon)
     if splits is not None and max_groups > 0:
         gps = math.ceil(max_groups / max(1, min(splits, max_groups)))
         nsplit = math.ceil(max_groups / gps)
@@ -899,6 +932,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
             del kw["BLOCK_G"], kw["BLOCK_T"]
         if variant == "v5":
             kernel, kw["STAGES"], stages = _load_gluon().decode_split_v5, stages, None
+            kw.update(PRECISE_K="k" in precise, PRECISE_V="v" in precise, CHAINS=chains or V5_CHAINS,
+                      SUB=unpack == "subnormal")
             del kw["BLOCK_G"], kw["BLOCK_T"]
         if stages is not None:
             kw["num_stages"] = stages
