@@ -43,18 +43,19 @@ V3_CASES = [(128, 4, 3, "kv", 1, 0), (128, 8, 3, "kv", 1, 0), (128, 8, 1, "kv", 
 """v3 split kernels checked: (block_t, warps, stages, precise, MAGIC (0 cvt, 1 magic, 2 ptx), maxnreg (0: none))."""
 
 
-V5_CASES = [(2, "kv", 1, 0, 0), (4, "kv", 1, 0, 0), (4, "kv", 1, 168, 0), (4, "kv", 1, 128, 0), (2, "k", 1, 0, 0),
-            (2, "", 1, 0, 0), (2, "kv", 2, 0, 0), (2, "kv", 4, 0, 0), (2, "k", 4, 0, 0), (2, "k", 1, 168, 0),
-            (2, "", 1, 168, 0), (2, "", 1, 128, 0), (2, "kv", 1, 0, 1), (2, "k", 1, 0, 1), (2, "k", 4, 0, 1),
-            (2, "", 1, 168, 1)]
-"""v5 split kernels checked: (stages, precise, chains, maxnreg (0: none), subnormal unpack)."""
+V5_CASES = [(2, "kv", 1, 0, 0, 0), (4, "kv", 1, 0, 0, 0), (4, "kv", 1, 168, 0, 0), (4, "kv", 1, 128, 0, 0),
+            (2, "k", 1, 0, 0, 0), (2, "", 1, 0, 0, 0), (2, "kv", 2, 0, 0, 0), (2, "kv", 4, 0, 0, 0),
+            (2, "k", 4, 0, 0, 0), (2, "k", 1, 168, 0, 0), (2, "", 1, 168, 0, 0), (2, "", 1, 128, 0, 0),
+            (2, "kv", 1, 0, 1, 0), (2, "k", 1, 0, 1, 0), (2, "k", 4, 0, 1, 0), (2, "", 1, 168, 1, 0),
+            (2, "kv", 1, 0, 1, 1), (2, "k", 1, 200, 1, 1)]
+"""v5 split kernels checked: (stages, precise, chains, maxnreg (0: none), subnormal unpack, lazy rescale)."""
 
 
-def v5_suffix(precise: str, chains: int, sub: int) -> str:
-    """A v5 label's knobs away from the default: precise ("k", "v", "fp16" for neither), chains ("c4") and the
-    subnormal unpack ("sub")."""
+def v5_suffix(precise: str, chains: int, sub: int, lazy: int) -> str:
+    """A v5 label's knobs away from the default: precise ("k", "v", "fp16" for neither), chains ("c4"), the
+    subnormal unpack ("sub") and the lazy rescale ("lazy")."""
     return (f" {precise or 'fp16'}" if precise != "kv" else "") + (f" c{chains}" if chains > 1 else "") + \
-        (" sub" if sub else "")
+        (" sub" if sub else "") + (" lazy" if lazy else "")
 
 
 def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
@@ -93,11 +94,11 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
         *[(f"decode split v4 {unpack}", kt._load_gluon().decode_split_v4, split,
            dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=64, PTX=unpack == "ptx"), {"num_warps": 1})
           for unpack in ("magic", "ptx")],
-        *[(f"decode split v5 s{st}{v5_suffix(pk, ch, sub)}{f' r{reg}' if reg else ''}",
+        *[(f"decode split v5 s{st}{v5_suffix(pk, ch, sub, lazy)}{f' r{reg}' if reg else ''}",
            kt._load_gluon().decode_split_v5, split,
            dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=64, STAGES=st, PRECISE_K="k" in pk, PRECISE_V="v" in pk,
-                CHAINS=ch, SUB=bool(sub)), {"num_warps": 1, **({"maxnreg": reg} if reg else {})})
-          for st, pk, ch, reg, sub in V5_CASES],
+                CHAINS=ch, SUB=bool(sub), LAZY=bool(lazy)), {"num_warps": 1, **({"maxnreg": reg} if reg else {})})
+          for st, pk, ch, reg, sub, lazy in V5_CASES],
         ("decode combine", kt._decode_combine_kernel, combine, dict(HKV=4, QPK=6, D=256, T=128, NSPLIT=33,
                                                                    NSPLIT_P2=64, TAIL_T=16, TAIL_ROWS=True,
                                                                    ROTATED=True, BN=32),

@@ -55,9 +55,11 @@ CONFIGS = [BASELINE] + [
         {"unpack": "subnormal", "maxnreg": 200}, {"unpack": "subnormal", "precise": "k", "maxnreg": 200},
         {"unpack": "subnormal", "precise": "k", "maxnreg": 184},
         {"unpack": "subnormal", "precise": "k", "maxnreg": 168},
-        {"unpack": "subnormal", "precise": "", "maxnreg": 144})
+        {"unpack": "subnormal", "precise": "", "maxnreg": 144}, {"unpack": "subnormal", "lazy": True},
+        {"unpack": "subnormal", "precise": "k", "lazy": True}, {"unpack": "subnormal", "lazy": True, "maxnreg": 200},
+        {"unpack": "subnormal", "precise": "k", "lazy": True, "maxnreg": 200})
 ]
-"""65 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
+"""69 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
 were slower there), and v3 (codes read as stored, K's as the large dot operand) at its defaults (block_t 128,
 8 warps, 1 stage, "magic" unpack, precise "kv") and one or two knobs changed at a time: stages 3 is Triton's
 default pipelining; unpack "ptx" the magic number four codes at a time in inline PTX; maxnreg 128 two 8-warp
@@ -67,7 +69,8 @@ default ring depth (2; 4 until 2026-12-07) and splits, and others (2026-12-07: s
 resident one-warp programs, and register caps of 168 and 128: 12 and 16 programs an SM, with spills, against 8 at
 255); from index 51 (2026-12-07, evening) v5's hi-only operands (precise "k", ""), 2 and 4 chains of the scores'
 mma, the subnormal unpack (codes as fp16 subnormals, no subtraction) and register caps that keep spills out of its
-token loop (200: 10 programs an SM; the split count follows the cap: kvarn_triton._resident).
+token loop (200: 10 programs an SM; the split count follows the cap: kvarn_triton._resident), and from 65 the lazy
+rescale (one V unit a group).
 precise "kv" is v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
 SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
 
@@ -78,6 +81,7 @@ def label(cfg: dict, kt_defaults: dict) -> tuple[str, str, str, str, str, str]:
     d = kt_defaults[cfg["variant"]]
     variant = cfg["variant"] + (f" {cfg.get('unpack', 'magic')}" if cfg["variant"] in ("v3", "v4") else "") + \
         (" sub" if cfg.get("unpack") == "subnormal" else "") + (f" c{cfg['chains']}" if "chains" in cfg else "") + \
+        (" lazy" if cfg.get("lazy") else "") + \
         (f" r{cfg['maxnreg']}" if "maxnreg" in cfg else "")
     return (variant, str(cfg.get("block_t", d[0])), str(cfg.get("num_warps", d[1])),
             str(cfg.get("stages", d[2] or "-")), str(cfg.get("splits", "auto")),

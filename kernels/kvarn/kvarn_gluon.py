@@ -161,6 +161,21 @@ def _softmax_tile(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i, tprev, offacc, B
 
 
 @gluon.jit
+def _softmax_tile_unit(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i, offacc, runit, B_L: gl.constexpr):
+    """_softmax_tile with one V unit a group (1 / runit, the group's largest V token scale of this head) instead of
+    one a tile: acc changes unit only at a group's ends, so the factor it is rescaled by is the softmax's alpha alone,
+    which is exactly 1 wherever no row's running max rose (decode_split_v5's LAZY skips that rescale)."""
+    sc = dots * amax[None, :] * ts[:, None] + qsum[None, :] * to[:, None]
+    m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(sc - m_new[None, :])
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    offacc = offacc * alpha + gl.sum(p * (tov * runit)[:, None], axis=0)
+    p_hi, p_lo = _split16(p * (tsv * runit)[:, None])
+    return m_new, l_i, offacc, alpha, gl.convert_layout(p_hi, B_L), gl.convert_layout(p_lo, B_L)
+
+
+@gluon.jit
 def _store_split(o_ptr, ml_ptr, acc0, acc1, m_i, l_i, vch0, vch1, slot0, QPK: gl.constexpr, NSPLIT: gl.constexpr,
                  D: gl.constexpr, ROWS: gl.constexpr):
     """A program's (acc, m, l) where the combine kernel reads them: row n's slot is slot0 + n NSPLIT."""
@@ -423,12 +438,14 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
                     V_CODES: gl.constexpr, V_TS: gl.constexpr, V_TO: gl.constexpr, V_CS: gl.constexpr,
                     HKV: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, T: gl.constexpr,
                     NSPLIT: gl.constexpr, STAGES: gl.constexpr, PRECISE_K: gl.constexpr = True,
-                    PRECISE_V: gl.constexpr = True, CHAINS: gl.constexpr = 1, SUB: gl.constexpr = False):
+                    PRECISE_V: gl.constexpr = True, CHAINS: gl.constexpr = 1, SUB: gl.constexpr = False,
+                    LAZY: gl.constexpr = False):
     """v4's program (s, h, j) with every tile's codes and token scales copied STAGES - 1 tiles ahead into a ring
     of shared memory (cp.async), so no global load waits in the token loop; codes unpacked a word at a time.
     PRECISE_K / PRECISE_V: the query / p as fp16 hi + lo operands (two mma each, v1's precision) or hi alone;
     CHAINS: independent accumulator chains of the scores' mma (_k_tile). SUB: codes unpacked as fp16 subnormals
-    (code x 2^-24, no subtraction: _k_word_ptx), the dots' and P.V sums' unit 2^-24, undone once a group."""
+    (code x 2^-24, no subtraction: _k_word_ptx), the dots' and P.V sums' unit 2^-24, undone once a group. LAZY: one
+    V unit a group (_softmax_tile_unit), so acc is rescaled only in tiles where a row's running max rose."""
     gl.static_assert(D == 256, "v5's channel maps are for head_dim 256")
     gl.static_assert(QPK <= 8, "v5 holds a KV head's query rows in the mma's 8 columns")
     gl.static_assert(HKV == 4, "v5 reads a tile's token scales as [16 tokens, 4 heads]")
@@ -478,6 +495,13 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             acc0 = acc0 * (1.0 / SUBNORMAL_UNIT)
             acc1 = acc1 * (1.0 / SUBNORMAL_UNIT)
         tprev = 1.0
+        if LAZY:  # the group's largest V token scale of head h: acc's unit for the whole group
+            tg = gl.arange(0, T, layout=gl.BlockedLayout([T // 32], [32], [1], [0]))
+            unit = gl.max(gl.load(f16_ptr + fb + V_TS // 2 + tg * HKV + h).to(gl.float32), axis=0)
+            tprev = gl.where(unit > 0, unit, 1.0)
+            runit = 1.0 / tprev
+            acc0 = acc0 * runit
+            acc1 = acc1 * runit
         offacc = gl.zeros([8], gl.float32, layout=ROWS)
         for t0 in range(0, T, 16):
             # tile it + STAGES - 1 (this group's or the next one's) into the slot tile it - 1 was read from
@@ -491,12 +515,24 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             async_copy.wait_group(STAGES - 1)        # tile it has landed
             sl = it % STAGES
             dots = _k_tile(ks, sl, q0, q1, q2, q3, A_L, PRECISE_K, CHAINS, SUB)
-            m_i, l_i, tprev, offacc, f, p_hi, p_lo = _softmax_tile(
-                dots, amax, qsum, _ring_scale(ss, sl * 4 + 0, hsel, SC_RD, ROWS16),
-                _ring_scale(ss, sl * 4 + 1, hsel, SC_RD, ROWS16), _ring_scale(ss, sl * 4 + 2, hsel, SC_RD, ROWS16),
-                _ring_scale(ss, sl * 4 + 3, hsel, SC_RD, ROWS16), m_i, l_i, tprev, offacc, B_L)
-            acc0 = _v_words(vs.index(sl * 2 + 0).load(V_HALF), p_hi, p_lo, acc0 * f[None, :], A_L, PRECISE_V, SUB)
-            acc1 = _v_words(vs.index(sl * 2 + 1).load(V_HALF), p_hi, p_lo, acc1 * f[None, :], A_L, PRECISE_V, SUB)
+            ts = _ring_scale(ss, sl * 4 + 0, hsel, SC_RD, ROWS16)
+            to = _ring_scale(ss, sl * 4 + 1, hsel, SC_RD, ROWS16)
+            tsv = _ring_scale(ss, sl * 4 + 2, hsel, SC_RD, ROWS16)
+            tov = _ring_scale(ss, sl * 4 + 3, hsel, SC_RD, ROWS16)
+            if LAZY:
+                m_old = m_i
+                m_i, l_i, offacc, f, p_hi, p_lo = _softmax_tile_unit(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i,
+                                                                     offacc, runit, B_L)
+                if gl.max(m_i - m_old, axis=0) > 0:   # a row's max rose: its alpha < 1 (else every alpha is 1)
+                    acc0 = acc0 * f[None, :]
+                    acc1 = acc1 * f[None, :]
+            else:
+                m_i, l_i, tprev, offacc, f, p_hi, p_lo = _softmax_tile(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i,
+                                                                       tprev, offacc, B_L)
+                acc0 = acc0 * f[None, :]
+                acc1 = acc1 * f[None, :]
+            acc0 = _v_words(vs.index(sl * 2 + 0).load(V_HALF), p_hi, p_lo, acc0, A_L, PRECISE_V, SUB)
+            acc1 = _v_words(vs.index(sl * 2 + 1).load(V_HALF), p_hi, p_lo, acc1, A_L, PRECISE_V, SUB)
             it += 1
         if SUB:
             acc0 = acc0 * SUBNORMAL_UNIT

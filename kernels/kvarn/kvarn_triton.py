@@ -774,6 +774,8 @@ GLUON_CHAINS = (1, 2, 4)
 """v5's ways to run a tile's score mma (kvarn_gluon._k_tile): one accumulator chain, or 2 / 4 independent ones."""
 V5_CHAINS = 1
 """v5's chains when the caller gives none."""
+V5_LAZY = False
+"""v5's ``lazy`` when the caller gives none."""
 PRECISE = ("kv", "k", "v", "")
 """``precise``: which dot operands are fp16 hi + lo (two mma, ~22 bits: v1's precision) rather than hi alone (11
 bits): the query against K ("k"), p against V ("v"), both (the default) or neither."""
@@ -840,7 +842,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                      splits: int | None = None, block_t: int | None = None, num_warps: int | None = None,
                      variant: str | None = None, precise: str = "kv", tail_rows: torch.Tensor | None = None,
                      stages: int | None = None, unpack: str = DEFAULT_UNPACK,
-                     maxnreg: int | None = None, chains: int | None = None) -> torch.Tensor:
+                     maxnreg: int | None = None, chains: int | None = None, lazy: bool | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
 
     q [S, HQ, D]; block_table int32 [S, >= max_groups] (page of each full group); n_groups, tail_len
@@ -854,7 +856,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     variant: None (default_variant: v5 on a CUDA GPU with Gluon, else v3),
     "v5" (kvarn_gluon.decode_split_v5: v4 fed by a ring of ``stages`` tiles (default 2) that cp.async
     fills ahead in shared memory, codes unpacked a word at a time; compiled CUDA only, no other knob but splits,
-    maxnreg, precise and ``chains``: the scores' mma in 1 (default), 2 or 4 independent accumulator chains),
+    maxnreg, precise, ``chains``: the scores' mma in 1 (default), 2 or 4 independent accumulator chains, and
+    ``lazy``: one V unit a group, so the accumulator is rescaled only where a row's running max rose),
     "v4" (kvarn_gluon.decode_split_v4, a Gluon kernel: codes straight from global memory into
     tensor-core operands, one warp a program, no shared memory; compiled CUDA only, ``unpack`` "magic" or
     "ptx", no other knob but splits), "v3" (the default without Gluon; _decode_split_kernel_v3: codes read as stored,
@@ -888,8 +891,9 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                          "by 'magic', 'ptx' or 'cvt'")
     if precise not in PRECISE:
         raise ValueError(f"precise {precise!r}: one of {PRECISE} (which operands are fp16 hi + lo)")
-    if chains is not None and variant != "v5":
-        raise ValueError(f"chains {chains} is a v5 knob; variant {variant!r} has no such choice (leave chains out)")
+    for knob, value in (("chains", chains), ("lazy", lazy)):
+        if value is not None and variant != "v5":
+            raise ValueError(f"{knob} {value} is a v5 knob; variant {variant!r} has no such choice (leave {knob} out)")
     if variant in ("v4", "v5"):
         _check_gluon(variant, q.device, block_t, num_warps, stages, maxnreg, precise, unpack, chains)
     if unpack == "ptx" and q.device.type != "cuda":
@@ -933,7 +937,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         if variant == "v5":
             kernel, kw["STAGES"], stages = _load_gluon().decode_split_v5, stages, None
             kw.update(PRECISE_K="k" in precise, PRECISE_V="v" in precise, CHAINS=chains or V5_CHAINS,
-                      SUB=unpack == "subnormal")
+                      SUB=unpack == "subnormal", LAZY=V5_LAZY if lazy is None else bool(lazy))
             del kw["BLOCK_G"], kw["BLOCK_T"]
         if stages is not None:
             kw["num_stages"] = stages
