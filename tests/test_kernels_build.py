@@ -681,3 +681,22 @@ def test_the_cuda_prepass_at_65536_tokens_equals_the_spec_on_the_gpu(tmp_path):
     got = cubin.smooth_quant(q, k, cu, 65536, fatbin=fatbin)
     for name, g, e in zip(("q_i8", "q_scale", "k_i8", "k_scale"), got, expected, strict=True):
         assert torch.equal(g, e), f"{name}: {(g != e).sum().item()} of {g.numel()} elements differ"
+
+
+def test_innermost_loop_is_the_shortest_backward_branch_span_of_real_length():
+    """A listing shaped like cuobjdump's: an outer loop holding an inner one (with a forward branch inside it) and a
+    3-instruction spin loop. innermost_loop counts the inner loop's body, branch included, not the spin loop (too
+    short to be work), not the outer one, and nothing for a listing without a backward branch."""
+    def line(addr: int, text: str) -> str:
+        return f"        /*{addr:04x}*/                   {text} ;   /* 0x0000000000000000 */"
+
+    body = [line(0x00, "MOV R1, c[0x0][0x28]"), line(0x10, "IADD3 R2, R2, 0x1, RZ")]           # outer loop from 0x10
+    inner = [line(0x20 + 16 * i, "HMMA.16816.F32 R4, R8, R12, R4") for i in range(5)]       # inner loop from 0x20
+    inner += [line(0x70, "@P1 BRA 0x90"), line(0x80, "FMUL R4, R4, R5"), line(0x90, "LOP3.LUT R6, R6, 0xf, RZ, 0xc0"),
+              line(0xa0, "@P0 BRA 0x20")]
+    spin = [line(0xb0, "NOP"), line(0xc0, "@P2 BRA 0xb0")]
+    tail = [line(0xd0, "@P3 BRA 0x10"), line(0xe0, "EXIT")]
+    sass = "\n".join(["code for sm_90", *body, *inner, *spin, *tail])
+    assert kbuild.innermost_loop(sass, least=4) == {"HMMA.16816.F32": 5, "BRA": 2, "FMUL": 1, "LOP3.LUT": 1}
+    assert kbuild.innermost_loop(sass, least=20) == {}
+    assert kbuild.innermost_loop("\n".join(body)) == {}

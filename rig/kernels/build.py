@@ -187,22 +187,44 @@ def ptxas_usage(ptx: str, target: int) -> str:
 _SASS_OP = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
 
 
-def sass_mix(cubin: bytes) -> dict[str, int]:
-    """How many of each SASS instruction (with its width suffixes, e.g. LDG.E.128, LDS.U8) a cubin holds,
-    by Triton's bundled cuobjdump; {} where it cannot run. Static counts: a loop body's instructions count
-    once, which for a kernel whose work is one loop is its mix per iteration. What it shows without a GPU: byte
-    loads where 16-byte ones were meant, barriers, shared-memory round trips, conversions."""
+def sass_text(cubin: bytes) -> str:
+    """A cubin's SASS listing by Triton's bundled cuobjdump; '' where it cannot run."""
     from triton import knobs
 
     try:
         tool = knobs.nvidia.cuobjdump
     except (AttributeError, RuntimeError):  # a Triton without the knob, or without its bundled binary
-        return {}
+        return ""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.cubin"
         src.write_bytes(cubin)
-        run = subprocess.run([tool.path, "-sass", str(src)], capture_output=True, text=True)
-    return dict(Counter(m.group(1) for line in run.stdout.splitlines() if (m := _SASS_OP.match(line))))
+        return subprocess.run([tool.path, "-sass", str(src)], capture_output=True, text=True).stdout
+
+
+def sass_mix(cubin: bytes) -> dict[str, int]:
+    """How many of each SASS instruction (with its width suffixes, e.g. LDG.E.128, LDS.U8) a cubin holds,
+    by Triton's bundled cuobjdump; {} where it cannot run. Static counts: a loop body's instructions count
+    once, which for a kernel whose work is one loop is its mix per iteration. What it shows without a GPU: byte
+    loads where 16-byte ones were meant, barriers, shared-memory round trips, conversions."""
+    return dict(Counter(m.group(1) for line in sass_text(cubin).splitlines() if (m := _SASS_OP.match(line))))
+
+
+_SASS_ADDR = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s")
+
+
+def innermost_loop(sass: str, least: int = 64) -> dict[str, int]:
+    """The SASS mix of a listing's innermost loop: the shortest span from a backward branch's target to the branch,
+    of at least ``least`` instructions (shorter ones are spin or tail loops). Where a kernel's work is a token loop,
+    this is one iteration's instructions, what a static count of the whole kernel blurs with its prologue and
+    once-a-group work. Branches inside the loop (a rarely taken rescale) count as if taken. {} without a loop."""
+    lines = [(int(m.group(1), 16), line) for line in sass.splitlines() if (m := _SASS_ADDR.match(line))]
+    spans = [(int(b.group(1), 16), at) for at, line in lines
+             if (b := re.search(r"\bBRA (0x[0-9a-f]+)", line)) and int(b.group(1), 16) < at]
+    spans = [(a, b) for a, b in spans if sum(a <= at <= b for at, _ in lines) >= least]
+    if not spans:
+        return {}
+    a, b = min(spans, key=lambda span: span[1] - span[0])
+    return dict(Counter(m.group(1) for at, line in lines if a <= at <= b and (m := _SASS_OP.match(line))))
 
 
 _PTXAS_FIGURES = {"registers": r"Used (\d+) registers", "barriers": r"used (\d+) barriers",
@@ -223,18 +245,17 @@ class CompileCheck:
     ptxas: str = ""
     error: str = ""
     sass: dict[str, int] = field(default_factory=dict)
+    loop: dict[str, int] = field(default_factory=dict)
+    """innermost_loop's mix: one iteration of the kernel's innermost loop."""
 
     def sass_summary(self, top: int = 12) -> str:
         """The instruction count and the ``top`` opcodes (suffixes folded), then global/shared loads and stores
         and barriers with their widths: where a kernel's instructions go."""
-        if not self.sass:
-            return ""
-        base: Counter[str] = Counter()
-        for op, n in self.sass.items():
-            base[op.split(".")[0]] += n
-        mem = {op: n for op, n in sorted(self.sass.items()) if op.split(".")[0] in ("LDG", "STG", "LDS", "STS", "BAR")}
-        tops = ", ".join(f"{op} {n}" for op, n in base.most_common(top))
-        return f"{base.total()} instructions: {tops}; " + ", ".join(f"{op} {n}" for op, n in mem.items())
+        return _mix_summary(self.sass, top)
+
+    def loop_summary(self, top: int = 8) -> str:
+        """sass_summary of the innermost loop (one iteration); '' without one."""
+        return _mix_summary(self.loop, top)
 
     @property
     def usage(self) -> dict[str, int]:
@@ -247,6 +268,18 @@ class CompileCheck:
     def fits(self) -> bool:
         """Compiled, and within the arch's shared memory per block (an arch rig has no limit for never fits)."""
         return self.shared_bytes is not None and self.shared_bytes <= SHARED_BYTES_PER_BLOCK.get(self.arch, 0)
+
+
+def _mix_summary(mix: dict[str, int], top: int) -> str:
+    """A SASS mix as 'N instructions: the top opcodes (suffixes folded); loads, stores and barriers by width'."""
+    if not mix:
+        return ""
+    base: Counter[str] = Counter()
+    for op, n in mix.items():
+        base[op.split(".")[0]] += n
+    mem = {op: n for op, n in sorted(mix.items()) if op.split(".")[0] in ("LDG", "STG", "LDS", "STS", "BAR")}
+    tops = ", ".join(f"{op} {n}" for op, n in base.most_common(top))
+    return f"{base.total()} instructions: {tops}; " + ", ".join(f"{op} {n}" for op, n in mem.items())
 
 
 def compile_check(aots: Iterable[dict], sass: bool = False) -> Iterator[CompileCheck]:
@@ -263,9 +296,11 @@ def compile_check(aots: Iterable[dict], sass: bool = False) -> Iterator[CompileC
         except Exception as e:  # noqa: BLE001 - a failed compile is the finding
             yield CompileCheck(aot["name"], arch, options, error=f"{type(e).__name__}: {str(e)[:200]}")
             continue
+        text = sass_text(compiled.asm["cubin"]) if sass else ""
         yield CompileCheck(aot["name"], arch, options, int(compiled.metadata.shared),
                            ptxas_usage(compiled.asm["ptx"], _target(aot, arch)),
-                           sass=sass_mix(compiled.asm["cubin"]) if sass else {})
+                           sass=dict(Counter(m.group(1) for line in text.splitlines() if (m := _SASS_OP.match(line)))),
+                           loop=innermost_loop(text))
 
 
 def _spec_arch(aot: dict, module: str) -> str:
