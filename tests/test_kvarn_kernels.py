@@ -343,9 +343,11 @@ DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"vari
                    GLUON_V5, pytest.param({"variant": "v5", "stages": 2}, id="v5-s2"),
                    pytest.param({"variant": "v5", "precise": "k"}, id="v5-precise-k"),
                    pytest.param({"variant": "v5", "unpack": "subnormal"}, id="v5-subnormal"),
-                   pytest.param({"variant": "v5", "unpack": "subnormal", "precise": "k", "chains": 4},
-                                id="v5-subnormal-k-c4"),
-                   pytest.param({"variant": "v5", "unpack": "subnormal", "lazy": True}, id="v5-subnormal-lazy")]
+                   pytest.param({"variant": "v5", "unpack": "subnormal", "precise": "k", "prefetch": True},
+                                id="v5-subnormal-k-prefetch"),
+                   pytest.param({"variant": "v5", "unpack": "subnormal", "lazy": True}, id="v5-subnormal-lazy"),
+                   pytest.param({"variant": "v5", "skew": True, "unpack": "subnormal", "precise": "k", "lazy": True,
+                                 "prefetch": True}, id="v5-skew-subnormal-k-lazy-prefetch")]
 """decode_attention's split kernels (and their knobs) that every decode check runs (v5 is the default on a GPU, v3
 elsewhere: test_the_default_decode_kernel_is_v5_on_a_gpu_and_v3_elsewhere); the first four are four kernels at their
 defaults. unpack "ptx" (inline PTX), v4 and v5 (Gluon): compiled (CUDA) runs only."""
@@ -433,9 +435,10 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                   {"variant": "v4"}, {"variant": "v4", "splits": 1}, {"variant": "v4", "splits": 5, "unpack": "ptx"},
                   {"variant": "v5"}, {"variant": "v5", "splits": 1}, {"variant": "v5", "splits": 5, "stages": 9},
                   {"variant": "v5", "stages": 2, "splits": 2}, {"variant": "v5", "maxnreg": 168, "splits": 3},
-                  {"variant": "v5", "chains": 2}, {"variant": "v5", "chains": 4, "splits": 3},
-                  {"variant": "v5", "unpack": "subnormal"}, {"variant": "v5", "unpack": "subnormal", "chains": 4},
-                  {"variant": "v5", "lazy": True, "splits": 2}, {"variant": "v5", "unpack": "subnormal", "lazy": True}]
+                  {"variant": "v5", "prefetch": True}, {"variant": "v5", "prefetch": True, "splits": 3},
+                  {"variant": "v5", "lazy": True, "splits": 2}, {"variant": "v5", "lazy": True, "prefetch": True},
+                  {"variant": "v5", "skew": True}, {"variant": "v5", "skew": True, "splits": 3, "stages": 9},
+                  {"variant": "v5", "skew": True, "lazy": True, "splits": 1}]
                  if device == "cuda" else [])):
         got = cache.decode(q, **{"variant": "v2", **kw}).float()
         rel = ((got - v1).norm() / v1.norm()).item()
@@ -444,7 +447,7 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                       ({"variant": "v3", "block_t": 8}, "block_t"), ({"variant": "v3", "unpack": "int"}, "unpack"),
                       ({"stages": 0}, "stages"), ({"maxnreg": 16}, "maxnreg"),
                       ({"variant": "v2", "unpack": "cvt"}, "v3/v4 knob"), ({"precise": "q"}, "precise"),
-                      ({"variant": "v3", "chains": 2}, "v5 knob"),
+                      ({"variant": "v3", "prefetch": True}, "v5 knob"),
                       ({"variant": "v2", "lazy": True}, "v5 knob"), ({"variant": "v3", "unpack": "subnormal"}, "v5's"),
                       *([({"unpack": "ptx"}, "CUDA tensors only"), ({"variant": "v4"}, "CUDA only"),
                          ({"variant": "v5"}, "CUDA only")]
@@ -455,8 +458,9 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                          ({"variant": "v4", "stages": 2}, "one tiling"),
                          ({"variant": "v4", "maxnreg": 128}, "one tiling"), ({"variant": "v5", "stages": 1}, "2 ... 9"),
                          ({"variant": "v5", "stages": 10}, "2 ... 9"), ({"variant": "v5", "unpack": "ptx"}, "own PTX"),
-                         ({"variant": "v5", "num_warps": 4}, "one tiling"), ({"variant": "v5", "chains": 3}, "chains"),
-                         ({"variant": "v4", "unpack": "subnormal"}, "v5's")])):
+                         ({"variant": "v5", "num_warps": 4}, "one tiling"),
+                         ({"variant": "v4", "unpack": "subnormal"}, "v5's"),
+                         ({"variant": "v5", "skew": True, "stages": 2}, "3 or more")])):
         with pytest.raises(ValueError, match=name):
             cache.decode(q, **bad)
 

@@ -49,15 +49,16 @@ CONFIGS = [BASELINE] + [
         {}, {"stages": 2}, {"stages": 3}, {"stages": 6}, {"splits": 64}, {"splits": 128}, {"splits": 512},
         {"splits": 33}, {"splits": 48}, {"splits": 96}, {"stages": 2, "splits": 64}, {"stages": 3, "splits": 64},
         {"maxnreg": 168}, {"maxnreg": 168, "splits": 96}, {"maxnreg": 128}, {"maxnreg": 128, "splits": 128},
-        {"precise": "k"}, {"precise": ""}, {"chains": 2}, {"chains": 4}, {"unpack": "subnormal"},
-        {"unpack": "subnormal", "precise": "k"}, {"unpack": "subnormal", "precise": "k", "chains": 4},
-        {"unpack": "subnormal", "precise": ""}, {"unpack": "subnormal", "precise": "", "maxnreg": 168},
-        {"unpack": "subnormal", "maxnreg": 200}, {"unpack": "subnormal", "precise": "k", "maxnreg": 200},
-        {"unpack": "subnormal", "precise": "k", "maxnreg": 184},
-        {"unpack": "subnormal", "precise": "k", "maxnreg": 168},
-        {"unpack": "subnormal", "precise": "", "maxnreg": 144}, {"unpack": "subnormal", "lazy": True},
-        {"unpack": "subnormal", "precise": "k", "lazy": True}, {"unpack": "subnormal", "lazy": True, "maxnreg": 200},
-        {"unpack": "subnormal", "precise": "k", "lazy": True, "maxnreg": 200})
+        {"precise": "k"}, {"precise": ""}, {"unpack": "subnormal"}, {"unpack": "subnormal", "precise": "k"},
+        {"unpack": "subnormal", "precise": ""}, {"unpack": "subnormal", "lazy": True},
+        {"unpack": "subnormal", "precise": "k", "lazy": True}, {"prefetch": True}, {"prefetch": True, "precise": "k"},
+        {"prefetch": True, "unpack": "subnormal", "precise": "k", "lazy": True},
+        {"prefetch": True, "unpack": "subnormal", "precise": "", "lazy": True},
+        {"prefetch": True, "unpack": "subnormal", "precise": "", "lazy": True, "maxnreg": 168},
+        {"unpack": "subnormal", "maxnreg": 200}, {"unpack": "subnormal", "precise": "", "maxnreg": 168},
+        {"skew": True}, {"skew": True, "prefetch": True, "unpack": "subnormal", "precise": "k", "lazy": True},
+        {"skew": True, "prefetch": True, "unpack": "subnormal", "precise": "", "lazy": True},
+        {"skew": True, "stages": 4, "prefetch": True, "unpack": "subnormal", "precise": "k", "lazy": True})
 ]
 """69 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
 were slower there), and v3 (codes read as stored, K's as the large dot operand) at its defaults (block_t 128,
@@ -67,10 +68,10 @@ programs an SM, with spills (the last two added 2026-12-06, docs/kvarn.md); v4 (
 tiling) at its default splits and others, both unpacks; v5 (v4 fed by a ring of tiles in shared memory) at its
 default ring depth (2; 4 until 2026-12-07) and splits, and others (2026-12-07: split counts around one wave of
 resident one-warp programs, and register caps of 168 and 128: 12 and 16 programs an SM, with spills, against 8 at
-255); from index 51 (2026-12-07, evening) v5's hi-only operands (precise "k", ""), 2 and 4 chains of the scores'
-mma, the subnormal unpack (codes as fp16 subnormals, no subtraction) and register caps that keep spills out of its
-token loop (200: 10 programs an SM; the split count follows the cap: kvarn_triton._resident), and from 65 the lazy
-rescale (one V unit a group).
+255); from index 51 (2026-12-07, evening) v5's hi-only operands (precise "k", ""), the subnormal unpack (codes as
+fp16 subnormals, no subtraction), the lazy rescale (one V unit a group), the prefetch of the next group's channel
+scales, register caps (200: 10 programs an SM, no spill in the token loop; the split count follows the cap:
+kvarn_triton._resident) and the skewed loop (a tile's dots before the previous tile's softmax and P.V).
 precise "kv" is v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
 SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
 
@@ -80,8 +81,8 @@ def label(cfg: dict, kt_defaults: dict) -> tuple[str, str, str, str, str, str]:
     such)."""
     d = kt_defaults[cfg["variant"]]
     variant = cfg["variant"] + (f" {cfg.get('unpack', 'magic')}" if cfg["variant"] in ("v3", "v4") else "") + \
-        (" sub" if cfg.get("unpack") == "subnormal" else "") + (f" c{cfg['chains']}" if "chains" in cfg else "") + \
-        (" lazy" if cfg.get("lazy") else "") + \
+        (" sub" if cfg.get("unpack") == "subnormal" else "") + (" lazy" if cfg.get("lazy") else "") + \
+        (" pf" if cfg.get("prefetch") else "") + (" skew" if cfg.get("skew") else "") + \
         (f" r{cfg['maxnreg']}" if "maxnreg" in cfg else "")
     return (variant, str(cfg.get("block_t", d[0])), str(cfg.get("num_warps", d[1])),
             str(cfg.get("stages", d[2] or "-")), str(cfg.get("splits", "auto")),

@@ -360,28 +360,13 @@ def _k_words(raw, q, dots, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.con
 
 
 @gluon.jit
-def _k_tile(ks, sl, q0, q1, q2, q3, A_L: gl.constexpr, PRECISE: gl.constexpr, CHAINS: gl.constexpr,
-            SUB: gl.constexpr):
-    """A 16-token tile's raw dots [16, 8] from ring slot sl: four 64-channel chunks in CHAINS independent mma
-    accumulator chains, summed at the end (1: one chain of 16 or 32 dependent mma; 2 or 4: that many shorter
-    chains the warp's scheduler can overlap, for 4 or 12 more registers)."""
-    z = gl.zeros([16, 8], gl.float32, layout=MMA)
-    d0 = _k_words(ks.index(sl * 4 + 0).load(K_CHUNK), q0, z, A_L, PRECISE, SUB)
-    if CHAINS == 4:
-        d1 = _k_words(ks.index(sl * 4 + 1).load(K_CHUNK), q1, z, A_L, PRECISE, SUB)
-        d2 = _k_words(ks.index(sl * 4 + 2).load(K_CHUNK), q2, z, A_L, PRECISE, SUB)
-        d3 = _k_words(ks.index(sl * 4 + 3).load(K_CHUNK), q3, z, A_L, PRECISE, SUB)
-        dots = (d0 + d1) + (d2 + d3)
-    elif CHAINS == 2:
-        d1 = _k_words(ks.index(sl * 4 + 1).load(K_CHUNK), q1, z, A_L, PRECISE, SUB)
-        d0 = _k_words(ks.index(sl * 4 + 2).load(K_CHUNK), q2, d0, A_L, PRECISE, SUB)
-        d1 = _k_words(ks.index(sl * 4 + 3).load(K_CHUNK), q3, d1, A_L, PRECISE, SUB)
-        dots = d0 + d1
-    else:
-        d0 = _k_words(ks.index(sl * 4 + 1).load(K_CHUNK), q1, d0, A_L, PRECISE, SUB)
-        d0 = _k_words(ks.index(sl * 4 + 2).load(K_CHUNK), q2, d0, A_L, PRECISE, SUB)
-        dots = _k_words(ks.index(sl * 4 + 3).load(K_CHUNK), q3, d0, A_L, PRECISE, SUB)
-    return dots
+def _k_tile(ks, sl, q0, q1, q2, q3, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.constexpr):
+    """A 16-token tile's raw dots [16, 8] from ring slot sl: four 64-channel chunks, one mma accumulator chain (two
+    or four independent chains measured no faster on an H100, 2026-12-07)."""
+    d = _k_words(ks.index(sl * 4 + 0).load(K_CHUNK), q0, gl.zeros([16, 8], gl.float32, layout=MMA), A_L, PRECISE, SUB)
+    d = _k_words(ks.index(sl * 4 + 1).load(K_CHUNK), q1, d, A_L, PRECISE, SUB)
+    d = _k_words(ks.index(sl * 4 + 2).load(K_CHUNK), q2, d, A_L, PRECISE, SUB)
+    return _k_words(ks.index(sl * 4 + 3).load(K_CHUNK), q3, d, A_L, PRECISE, SUB)
 
 
 @gluon.jit
@@ -426,10 +411,64 @@ def _ring_fill(ks, vs, ss, slot, kp, vp, sp, K_TS: gl.constexpr, K_TO: gl.conste
 
 
 @gluon.jit
+def _prefetch_scales(page, h, K_CS: gl.constexpr, V_CS: gl.constexpr, D: gl.constexpr):
+    """Ask L1 for a page's K and V channel scales of head h (2 x 512 B: 8 lines of 128 B, lane i the line i % 8), so
+    the group start that reads them (_group_open, _group_close) finds them there rather than in memory: an ncu
+    profile of v5 (H100, 2026-12-07) put 26 % of its warps' stall samples at group starts, most waiting on them."""
+    lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0])) % 8
+    line = gl.where(lane < 4, K_CS + h * D * 2 + lane * 128, V_CS + h * D * 2 + (lane - 4) * 128)
+    gl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.b32 $0, 0;", "=r,l", [page + line], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _ring_scale(ss, i, hsel, SC_RD: gl.constexpr, ROWS16: gl.constexpr):
     """Ring entry i of the token scales [16 tokens, 4 heads] -> this head's 16 as fp32 in the scores' row layout."""
     x = ss.index(i).load(SC_RD).to(gl.float32)
     return gl.convert_layout(gl.sum(gl.where(hsel, x, 0.0), axis=1), ROWS16)
+
+
+@gluon.jit
+def _fill_ahead(ks, vs, ss, it, t0, base, base_n, u8_ptr, f16_ptr, kofs, vofs, sofs, K_TS: gl.constexpr,
+                K_TO: gl.constexpr, V_TS: gl.constexpr, V_TO: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+                T: gl.constexpr, STAGES: gl.constexpr):
+    """Ring step of tile ``it`` (token t0 of its group): tile it + STAGES - 1, this group's or the next one's, into
+    slot (it + STAGES - 1) % STAGES."""
+    ahead = t0 + 16 * (STAGES - 1)
+    nxt = ahead // T
+    nbase = base + nxt * (base_n - base)
+    nt = ahead - nxt * T
+    _ring_fill(ks, vs, ss, (it + STAGES - 1) % STAGES, u8_ptr + nbase + nt * HKV * (D // 2) + kofs,
+               u8_ptr + nbase + nt * HKV * (D // 4) + vofs, f16_ptr + nbase // 2 + nt * HKV + sofs,
+               K_TS, K_TO, V_TS, V_TO)
+
+
+@gluon.jit
+def _pv_tile(ss, vs, sl, dots, amax, qsum, m_i, l_i, tprev, offacc, runit, acc0, acc1, hsel, SC_RD: gl.constexpr,
+             ROWS16: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr, PRECISE_V: gl.constexpr, SUB: gl.constexpr,
+             LAZY: gl.constexpr):
+    """A tile's softmax step (its token scales from ring slot sl) and P.V (its V codes from the slot) on its raw
+    dots: (m, l, the unit, the offsets' sum, acc0, acc1) after it. LAZY: one unit a group (runit), acc rescaled
+    only where a row's running max rose (_softmax_tile_unit); else one unit a tile (_softmax_tile)."""
+    ts = _ring_scale(ss, sl * 4 + 0, hsel, SC_RD, ROWS16)
+    to = _ring_scale(ss, sl * 4 + 1, hsel, SC_RD, ROWS16)
+    tsv = _ring_scale(ss, sl * 4 + 2, hsel, SC_RD, ROWS16)
+    tov = _ring_scale(ss, sl * 4 + 3, hsel, SC_RD, ROWS16)
+    if LAZY:
+        m_old = m_i
+        m_i, l_i, offacc, f, p_hi, p_lo = _softmax_tile_unit(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i, offacc,
+                                                             runit, B_L)
+        if gl.max(m_i - m_old, axis=0) > 0:   # a row's max rose: its alpha < 1 (else every alpha is 1)
+            acc0 = acc0 * f[None, :]
+            acc1 = acc1 * f[None, :]
+    else:
+        m_i, l_i, tprev, offacc, f, p_hi, p_lo = _softmax_tile(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i, tprev,
+                                                               offacc, B_L)
+        acc0 = acc0 * f[None, :]
+        acc1 = acc1 * f[None, :]
+    acc0 = _v_words(vs.index(sl * 2 + 0).load(V_HALF), p_hi, p_lo, acc0, A_L, PRECISE_V, SUB)
+    acc1 = _v_words(vs.index(sl * 2 + 1).load(V_HALF), p_hi, p_lo, acc1, A_L, PRECISE_V, SUB)
+    return m_i, l_i, tprev, offacc, acc0, acc1
 
 
 @gluon.jit
@@ -438,19 +477,22 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
                     V_CODES: gl.constexpr, V_TS: gl.constexpr, V_TO: gl.constexpr, V_CS: gl.constexpr,
                     HKV: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, T: gl.constexpr,
                     NSPLIT: gl.constexpr, STAGES: gl.constexpr, PRECISE_K: gl.constexpr = True,
-                    PRECISE_V: gl.constexpr = True, CHAINS: gl.constexpr = 1, SUB: gl.constexpr = False,
-                    LAZY: gl.constexpr = False):
+                    PRECISE_V: gl.constexpr = True, SUB: gl.constexpr = False, LAZY: gl.constexpr = False,
+                    PREFETCH: gl.constexpr = False, SKEW: gl.constexpr = False):
     """v4's program (s, h, j) with every tile's codes and token scales copied STAGES - 1 tiles ahead into a ring
     of shared memory (cp.async), so no global load waits in the token loop; codes unpacked a word at a time.
-    PRECISE_K / PRECISE_V: the query / p as fp16 hi + lo operands (two mma each, v1's precision) or hi alone;
-    CHAINS: independent accumulator chains of the scores' mma (_k_tile). SUB: codes unpacked as fp16 subnormals
-    (code x 2^-24, no subtraction: _k_word_ptx), the dots' and P.V sums' unit 2^-24, undone once a group. LAZY: one
-    V unit a group (_softmax_tile_unit), so acc is rescaled only in tiles where a row's running max rose."""
+    PRECISE_K / PRECISE_V: the query / p as fp16 hi + lo operands (two mma each, v1's precision) or hi alone.
+    SUB: codes unpacked as fp16 subnormals (code x 2^-24, no subtraction: _k_word_ptx), the dots' and P.V sums'
+    unit 2^-24, undone once a group. LAZY: one V unit a group (_softmax_tile_unit), so acc is rescaled only in tiles
+    where a row's running max rose. PREFETCH: the next group's K and V channel scales of this head are asked into L1
+    at a group's start (_prefetch_scales), so the next group's start does not wait on them from memory. SKEW: a tile's
+    dots are computed before the previous tile's softmax and P.V, two independent chains in one step (needs STAGES
+    >= 3: a slot is refilled only after its P.V)."""
     gl.static_assert(D == 256, "v5's channel maps are for head_dim 256")
     gl.static_assert(QPK <= 8, "v5 holds a KV head's query rows in the mma's 8 columns")
     gl.static_assert(HKV == 4, "v5 reads a tile's token scales as [16 tokens, 4 heads]")
     gl.static_assert(STAGES >= 2 and STAGES <= T // 16 + 1, "the ring looks ahead at most one group")
-    gl.static_assert(CHAINS == 1 or CHAINS == 2 or CHAINS == 4, "the scores' mma run in 1, 2 or 4 chains")
+    gl.static_assert(not SKEW or STAGES >= 3, "the skewed loop holds two tiles and lands a third: 3 stages or more")
     A_L: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_L: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     ROWS: gl.constexpr = gl.SliceLayout(0, MMA)
@@ -488,6 +530,8 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     for g in range(g0, g1):
         fb = base // 2
         base_n = gl.load(bt_row + gl.minimum(g + 1, g1 - 1)).to(gl.int64) * page_bytes   # the last group: itself
+        if PREFETCH:
+            _prefetch_scales(u8_ptr + base_n, h, K_CS, V_CS, D)
         q0, q1, q2, q3, qsum, amax, vcs, acc0, acc1 = _group_open(f16_ptr, fb, h, qrow, qmask, kb, acc0, acc1,
                                                                  vch0, vch1, K_CS, V_CS, D, ROWS, True)
         if SUB:  # the dots come out 2^-24 of the true ones, and P.V accumulates in units 2^-24 of acc's
@@ -495,6 +539,7 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             acc0 = acc0 * (1.0 / SUBNORMAL_UNIT)
             acc1 = acc1 * (1.0 / SUBNORMAL_UNIT)
         tprev = 1.0
+        runit = 1.0
         if LAZY:  # the group's largest V token scale of head h: acc's unit for the whole group
             tg = gl.arange(0, T, layout=gl.BlockedLayout([T // 32], [32], [1], [0]))
             unit = gl.max(gl.load(f16_ptr + fb + V_TS // 2 + tg * HKV + h).to(gl.float32), axis=0)
@@ -503,37 +548,42 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             acc0 = acc0 * runit
             acc1 = acc1 * runit
         offacc = gl.zeros([8], gl.float32, layout=ROWS)
-        for t0 in range(0, T, 16):
-            # tile it + STAGES - 1 (this group's or the next one's) into the slot tile it - 1 was read from
-            ahead = t0 + 16 * (STAGES - 1)
-            nxt = ahead // T
-            nbase = base + nxt * (base_n - base)
-            nt = ahead - nxt * T
-            _ring_fill(ks, vs, ss, (it + STAGES - 1) % STAGES, u8_ptr + nbase + nt * HKV * (D // 2) + kofs,
-                       u8_ptr + nbase + nt * HKV * (D // 4) + vofs, f16_ptr + nbase // 2 + nt * HKV + sofs,
-                       K_TS, K_TO, V_TS, V_TO)
-            async_copy.wait_group(STAGES - 1)        # tile it has landed
+        if SKEW:
+            # tile 0's dots first; then each step computes tile t's dots before tile t - 1's softmax and P.V (two
+            # independent chains the scheduler interleaves) and refills tile t - 1's slot only after its P.V
+            async_copy.wait_group(STAGES - 2)
             sl = it % STAGES
-            dots = _k_tile(ks, sl, q0, q1, q2, q3, A_L, PRECISE_K, CHAINS, SUB)
-            ts = _ring_scale(ss, sl * 4 + 0, hsel, SC_RD, ROWS16)
-            to = _ring_scale(ss, sl * 4 + 1, hsel, SC_RD, ROWS16)
-            tsv = _ring_scale(ss, sl * 4 + 2, hsel, SC_RD, ROWS16)
-            tov = _ring_scale(ss, sl * 4 + 3, hsel, SC_RD, ROWS16)
-            if LAZY:
-                m_old = m_i
-                m_i, l_i, offacc, f, p_hi, p_lo = _softmax_tile_unit(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i,
-                                                                     offacc, runit, B_L)
-                if gl.max(m_i - m_old, axis=0) > 0:   # a row's max rose: its alpha < 1 (else every alpha is 1)
-                    acc0 = acc0 * f[None, :]
-                    acc1 = acc1 * f[None, :]
-            else:
-                m_i, l_i, tprev, offacc, f, p_hi, p_lo = _softmax_tile(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i,
-                                                                       tprev, offacc, B_L)
-                acc0 = acc0 * f[None, :]
-                acc1 = acc1 * f[None, :]
-            acc0 = _v_words(vs.index(sl * 2 + 0).load(V_HALF), p_hi, p_lo, acc0, A_L, PRECISE_V, SUB)
-            acc1 = _v_words(vs.index(sl * 2 + 1).load(V_HALF), p_hi, p_lo, acc1, A_L, PRECISE_V, SUB)
+            dots = _k_tile(ks, sl, q0, q1, q2, q3, A_L, PRECISE_K, SUB)
+            _fill_ahead(ks, vs, ss, it, 0, base, base_n, u8_ptr, f16_ptr, kofs, vofs, sofs, K_TS, K_TO, V_TS, V_TO,
+                        HKV, D, T, STAGES)
             it += 1
+            for t0 in range(16, T, 16):
+                async_copy.wait_group(STAGES - 2)
+                sp = sl
+                sl = it % STAGES
+                dots_n = _k_tile(ks, sl, q0, q1, q2, q3, A_L, PRECISE_K, SUB)
+                m_i, l_i, tprev, offacc, acc0, acc1 = _pv_tile(ss, vs, sp, dots, amax, qsum, m_i, l_i, tprev, offacc,
+                                                               runit, acc0, acc1, hsel, SC_RD, ROWS16, A_L, B_L,
+                                                               PRECISE_V, SUB, LAZY)
+                dots = dots_n
+                _fill_ahead(ks, vs, ss, it, t0, base, base_n, u8_ptr, f16_ptr, kofs, vofs, sofs, K_TS, K_TO, V_TS,
+                            V_TO, HKV, D, T, STAGES)
+                it += 1
+            m_i, l_i, tprev, offacc, acc0, acc1 = _pv_tile(ss, vs, sl, dots, amax, qsum, m_i, l_i, tprev, offacc,
+                                                           runit, acc0, acc1, hsel, SC_RD, ROWS16, A_L, B_L,
+                                                           PRECISE_V, SUB, LAZY)
+        else:
+            for t0 in range(0, T, 16):
+                # tile it + STAGES - 1 (this group's or the next one's) into the slot tile it - 1 was read from
+                _fill_ahead(ks, vs, ss, it, t0, base, base_n, u8_ptr, f16_ptr, kofs, vofs, sofs, K_TS, K_TO, V_TS,
+                            V_TO, HKV, D, T, STAGES)
+                async_copy.wait_group(STAGES - 1)        # tile it has landed
+                sl = it % STAGES
+                dots = _k_tile(ks, sl, q0, q1, q2, q3, A_L, PRECISE_K, SUB)
+                m_i, l_i, tprev, offacc, acc0, acc1 = _pv_tile(ss, vs, sl, dots, amax, qsum, m_i, l_i, tprev, offacc,
+                                                               runit, acc0, acc1, hsel, SC_RD, ROWS16, A_L, B_L,
+                                                               PRECISE_V, SUB, LAZY)
+                it += 1
         if SUB:
             acc0 = acc0 * SUBNORMAL_UNIT
             acc1 = acc1 * SUBNORMAL_UNIT

@@ -770,12 +770,12 @@ def _resident(device: torch.device, maxnreg: int | None, stages: int) -> int:
 
 GLUON_STAGES = range(2, 10)
 """v5's ring depths: at least 2 (one tile read while the next lands), at most one group ahead (128 / 16 + 1)."""
-GLUON_CHAINS = (1, 2, 4)
-"""v5's ways to run a tile's score mma (kvarn_gluon._k_tile): one accumulator chain, or 2 / 4 independent ones."""
-V5_CHAINS = 1
-"""v5's chains when the caller gives none."""
 V5_LAZY = False
 """v5's ``lazy`` when the caller gives none."""
+V5_PREFETCH = False
+"""v5's ``prefetch`` when the caller gives none."""
+V5_SKEW = False
+"""v5's ``skew`` when the caller gives none."""
 PRECISE = ("kv", "k", "v", "")
 """``precise``: which dot operands are fp16 hi + lo (two mma, ~22 bits: v1's precision) rather than hi alone (11
 bits): the query against K ("k"), p against V ("v"), both (the default) or neither."""
@@ -813,20 +813,18 @@ def _load_gluon():
 
 
 def _check_gluon(variant: str, device: torch.device, block_t: int, num_warps: int, stages: int | None,
-                 maxnreg: int | None, precise: str, unpack: str, chains: int | None) -> None:
+                 maxnreg: int | None, precise: str, unpack: str) -> None:
     """v4's and v5's refusals, before anything launches: CUDA only (Gluon has no interpreter), one tiling; v4
     unpacks by "magic" or "ptx" with hi + lo dots, v5 by its own word-at-a-time PTX (unpack left out) with a ring
-    of 2 ... 9 tiles, an optional register cap (maxnreg: more one-warp programs an SM, against spills), ``precise``
-    and the scores' mma in 1, 2 or 4 chains (GLUON_CHAINS)."""
+    of 2 ... 9 tiles, an optional register cap (maxnreg: more one-warp programs an SM, against spills) and
+    ``precise``."""
     if device.type != "cuda":
         raise ValueError(f"variant {variant!r} is a Gluon kernel, compiled for CUDA only (q is on {device}); use 'v3'")
     block, warps, _ = DECODE_DEFAULTS[variant]
     if (block_t, num_warps) != (block, warps) or (variant == "v4" and (stages or maxnreg or precise != "kv")):
         knobs = "block_t, num_warps, stages, maxnreg and precise" if variant == "v4" else \
-            "block_t and num_warps (stages: the ring's depth; maxnreg: a register cap; precise; chains)"
+            "block_t and num_warps (stages: the ring's depth; maxnreg: a register cap; precise)"
         raise ValueError(f"variant {variant!r} has one tiling (16-token tiles, one warp): leave {knobs} out")
-    if variant == "v5" and chains is not None and chains not in GLUON_CHAINS:
-        raise ValueError(f"chains {chains}: v5 runs the scores' mma in {' / '.join(map(str, GLUON_CHAINS))} chains")
     if variant == "v5" and stages not in GLUON_STAGES:
         raise ValueError(f"stages {stages}: v5's ring holds {GLUON_STAGES.start} ... {GLUON_STAGES.stop - 1} tiles")
     if variant == "v4" and unpack not in ("magic", "ptx"):
@@ -842,7 +840,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                      splits: int | None = None, block_t: int | None = None, num_warps: int | None = None,
                      variant: str | None = None, precise: str = "kv", tail_rows: torch.Tensor | None = None,
                      stages: int | None = None, unpack: str = DEFAULT_UNPACK,
-                     maxnreg: int | None = None, chains: int | None = None, lazy: bool | None = None) -> torch.Tensor:
+                     maxnreg: int | None = None, lazy: bool | None = None,
+                     prefetch: bool | None = None, skew: bool | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
 
     q [S, HQ, D]; block_table int32 [S, >= max_groups] (page of each full group); n_groups, tail_len
@@ -856,8 +855,9 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     variant: None (default_variant: v5 on a CUDA GPU with Gluon, else v3),
     "v5" (kvarn_gluon.decode_split_v5: v4 fed by a ring of ``stages`` tiles (default 2) that cp.async
     fills ahead in shared memory, codes unpacked a word at a time; compiled CUDA only, no other knob but splits,
-    maxnreg, precise, ``chains``: the scores' mma in 1 (default), 2 or 4 independent accumulator chains, and
-    ``lazy``: one V unit a group, so the accumulator is rescaled only where a row's running max rose),
+    maxnreg, precise, ``lazy``: one V unit a group, so the accumulator is rescaled only where a row's running max
+    rose, ``prefetch``: the next group's channel scales asked into L1 at a group's start, and ``skew``: a tile's
+    dots before the previous tile's softmax and P.V, which needs a ring of 3 or more (its default then)),
     "v4" (kvarn_gluon.decode_split_v4, a Gluon kernel: codes straight from global memory into
     tensor-core operands, one warp a program, no shared memory; compiled CUDA only, ``unpack`` "magic" or
     "ptx", no other knob but splits), "v3" (the default without Gluon; _decode_split_kernel_v3: codes read as stored,
@@ -878,7 +878,11 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         raise ValueError(f"variant {variant!r}: one of {sorted(DECODE_DEFAULTS)}")
     block_t = block_t or DECODE_DEFAULTS[variant][0]
     num_warps = num_warps or DECODE_DEFAULTS[variant][1]
-    stages = stages if stages is not None else DECODE_DEFAULTS[variant][2]
+    skewed = variant == "v5" and (V5_SKEW if skew is None else bool(skew))
+    if stages is None:
+        stages = max(DECODE_DEFAULTS[variant][2], 3) if skewed else DECODE_DEFAULTS[variant][2]
+    if skewed and stages < 3:
+        raise ValueError(f"stages {stages}: v5's skewed loop (skew) holds two tiles and lands a third: 3 or more")
     if block_t < 16 or layout.group % block_t or block_t & (block_t - 1):
         raise ValueError(f"block_t {block_t}: a power of two >= 16 dividing {layout.group}")
     if unpack not in UNPACKS:
@@ -891,11 +895,11 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                          "by 'magic', 'ptx' or 'cvt'")
     if precise not in PRECISE:
         raise ValueError(f"precise {precise!r}: one of {PRECISE} (which operands are fp16 hi + lo)")
-    for knob, value in (("chains", chains), ("lazy", lazy)):
+    for knob, value in (("lazy", lazy), ("prefetch", prefetch), ("skew", skew)):
         if value is not None and variant != "v5":
             raise ValueError(f"{knob} {value} is a v5 knob; variant {variant!r} has no such choice (leave {knob} out)")
     if variant in ("v4", "v5"):
-        _check_gluon(variant, q.device, block_t, num_warps, stages, maxnreg, precise, unpack, chains)
+        _check_gluon(variant, q.device, block_t, num_warps, stages, maxnreg, precise, unpack)
     if unpack == "ptx" and q.device.type != "cuda":
         raise ValueError(f"unpack {unpack!r} is inline PTX: CUDA tensors only (q is on {q.device}); use 'magic'")
     if maxnreg is not None and not 32 <= maxnreg <= 255:
@@ -936,8 +940,9 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
             del kw["BLOCK_G"], kw["BLOCK_T"]
         if variant == "v5":
             kernel, kw["STAGES"], stages = _load_gluon().decode_split_v5, stages, None
-            kw.update(PRECISE_K="k" in precise, PRECISE_V="v" in precise, CHAINS=chains or V5_CHAINS,
-                      SUB=unpack == "subnormal", LAZY=V5_LAZY if lazy is None else bool(lazy))
+            kw.update(PRECISE_K="k" in precise, PRECISE_V="v" in precise, SUB=unpack == "subnormal",
+                      LAZY=V5_LAZY if lazy is None else bool(lazy),
+                      PREFETCH=V5_PREFETCH if prefetch is None else bool(prefetch), SKEW=skewed)
             del kw["BLOCK_G"], kw["BLOCK_T"]
         if stages is not None:
             kw["num_stages"] = stages
