@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,34 @@ def test_the_check_sees_a_moved_name(tmp_path: Path):
                    "pb.write_json('x', {})\npb.HQ\n")
     assert _missing(bad) == ["line 2: from rig.atomic import write_jsn (rig.atomic has no 'write_jsn')",
                              "line 3: pb.write_json (rig.kernels.prefill_bench has no 'write_json')"]
+
+
+def test_ncu_regions_splits_a_source_page_at_its_loops(tmp_path):
+    """bench/scripts/ncu_regions.py on a hand-made ncu source page: an outer loop holding an inner one; each
+    region's samples are the sum of its rows, the inner loop is the shortest loop, and a file that is not a source
+    page is refused by name."""
+    import subprocess
+    import sys
+
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_wait",
+            "stall_long_sb", "stall_wait (Not Issued)"]
+    body = [("0x100", "MOV R1, R2", 1, 1, 0, 1), ("0x110", "LDG.E R3, [R4]", 5, 8, 0, 5),     # prologue / outer
+            ("0x120", "HMMA.16816.F32 R4, R8, R12, R4", 7, 80, 7, 0), ("0x130", "@P0 BRA 0x120", 1, 80, 1, 0),
+            ("0x140", "@P1 BRA 0x110", 2, 8, 0, 2), ("0x150", "EXIT", 0, 1, 0, 0)]
+    lines = ['"Kernel Name","toy",'] + [",".join(f'"{h}"' for h in head)]
+    lines += [",".join(f'"{v}"' for v in (*row, 0)) for row in body]
+    page = tmp_path / "page.csv"
+    page.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "regions.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "scripts" / "ncu_regions.py"
+    run = subprocess.run([sys.executable, str(script), str(page), "--least", "2", "--json", str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    got = {p["region"]: (p["instructions"], p["samples"]) for p in json.loads(out.read_text())["regions"]}
+    assert got == {"prologue": (1, 1), "outer loop, before the inner": (1, 5), "inner loop": (2, 8),
+                   "outer loop, after the inner": (1, 2), "epilogue": (1, 0)}, got
+    assert "| inner loop | 2 | 8 | 50.0 % |" in run.stdout, run.stdout
+    bad = tmp_path / "bad.csv"
+    bad.write_text('"a","b"\n')
+    run = subprocess.run([sys.executable, str(script), str(bad)], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "not an ncu source page" in run.stderr + run.stdout
