@@ -152,3 +152,34 @@ def test_a_rungs_overlays_and_protocol_replace_the_ladders_for_that_rung_only(tm
     benches = [line for line in lines if " bench " in line]
     assert [b.split("--protocol ")[1].split()[0] for b in benches] == ["bench/cells/prefill-16k.toml",
                                                                         "bench/cells/ladder-64.toml"]
+
+
+def test_the_ncu_step_profiles_each_config_and_splits_its_samples_by_region(tmp_path):
+    """gpu_session.sh's ncu step with a stand-in ncu on PATH (it records its arguments; asked for the source page it
+    prints a small real one) and python as stand-in sweep: one profile per NCU_ONLY config, each profiling only the
+    decode split kernel of that config at 32k, and ncu_regions.py's table (the real script) in the step's files.
+    Without ncu (NCU set empty: none found) the step says so and fails."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    page = ('"Kernel Name","decode_split_v5",\n"Address","Source","Warp Stall Sampling (All Samples)",'
+            '"Instructions Executed","stall_wait"\n"0x10","MOV R1, R2","1","1","0"\n'
+            '"0x20","HMMA.16816.F32 R4, R8, R12, R4","6","64","6"\n"0x30","@P0 BRA 0x20","1","64","1"\n'
+            '"0x40","EXIT","0","1","0"\n')
+    ncu = bin_dir / "ncu"
+    ncu.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\ncase \"$*\" in *--page\\ source*) cat <<'EOF'\n{page}EOF\n"
+                   ";; esac\n")
+    ncu.chmod(0o755)
+    root = _checkout(tmp_path, "device")
+    out = tmp_path / "gs"
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PY": sys.executable, "OUT": str(out), "NCU_ONLY": "35 52",
+           "NCU_LEAST": "2"}
+    (root / "bench" / "scripts" / "kvarn_decode_sweep.py").write_text("print('stand-in sweep')\n")
+    r = _bash(root, f"mkdir -p {out}; set --; source bench/scripts/gpu_session.sh; step_ncu", env)
+    assert r.returncode == 0, r.stderr + r.stdout
+    runs = [line for line in calls.read_text().splitlines() if "--set full" in line]
+    assert len(runs) == 2 and all("-k regex:decode_split -c 1" in line and "--lengths 32768" in line for line in runs)
+    assert [line.split("--only ")[1].split()[0] for line in runs] == ["35", "52"], runs
+    for idx in ("35", "52"):
+        assert "| inner loop | 2 | 7 | 87.5 % |" in (out / f"ncu-{idx}-regions.txt").read_text()
+    r = _bash(root, "set --; source bench/scripts/gpu_session.sh; step_ncu", {**env, "NCU": ""})
+    assert r.returncode != 0 and "ncu: not found" in r.stdout, r.stdout + r.stderr

@@ -17,6 +17,9 @@
 #   kvarn      the KVarN kernels' GPU tests and bench/scripts/kvarn_bench.py (issue 14's table)
 #   kvdecode   the packed-cache decode kernels and the blocked chunk path: kvarn_decode_sweep.py (SWEEP_ARGS; by default
 #              v3 / v4 at their defaults beside v5 with 4, 2, 3 stages at 8k and 32k), their GPU tests, kvarn_chunk_bench.py
+#   ncu        Nsight Compute (--set full) of one decode split launch at 8 x 32k for each sweep config in NCU_ONLY
+#              (default 35, v5 at its defaults): details, the SASS source page and its warp samples by loop region
+#              (bench/scripts/ncu_regions.py)
 #   tier       the GPU tier of the suite (tests/test_gpu.py), RIG_GPU_SETS as set by the caller
 #   kvserve    the kvarn profile served on this GPU: the backend's Triton engine compiled (tests/test_kvarn_kernels.py
 #              -k engine), the GPU tier's kvarn tests (tests/test_gpu.py -k kvarn:
@@ -130,6 +133,20 @@ step_kvdecode() {
   "$PY" -m pytest -q -m gpu tests/test_kvarn_kernels.py -k "(decode and (v5 or match_v1)) or long_context_gpu" \
     -rA -p no:cacheprovider 2>&1 | tee "$OUT/kvdecode-pytest.log" | tail -15
   "$PY" bench/scripts/kvarn_chunk_bench.py --json "$OUT/kvarn_chunk.json" 2>&1 | tee "$OUT/kvarn_chunk.txt" | tail -12
+}
+
+step_ncu() {
+  stamp "ncu (the decode sweep's configs ${NCU_ONLY:-35} at 8 x 32k, one launch each)"
+  local ncu idx
+  ncu=${NCU-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)}
+  [ -n "$ncu" ] && [ -x "$ncu" ] || { echo "ncu: not found on this host (NCU, PATH, /usr/local/cuda*/bin)"; return 1; }
+  for idx in ${NCU_ONLY:-35}; do
+    "$ncu" --clock-control none -k regex:decode_split -c 1 --set full --import-source yes -o "$OUT/ncu-$idx" \
+      "$PY" bench/scripts/kvarn_decode_sweep.py --only "$idx" --lengths 32768 --iters 1 --warmup 0 > "$OUT/ncu-$idx.log" 2>&1
+    "$ncu" -i "$OUT/ncu-$idx.ncu-rep" --page details > "$OUT/ncu-$idx-details.txt" 2>&1
+    "$ncu" -i "$OUT/ncu-$idx.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-$idx-sass.csv" 2>&1
+    "$PY" bench/scripts/ncu_regions.py "$OUT/ncu-$idx-sass.csv" --least "${NCU_LEAST:-64}" 2>&1 | tee "$OUT/ncu-$idx-regions.txt" | head -12
+  done
 }
 
 step_tier() {
