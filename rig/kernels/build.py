@@ -206,7 +206,12 @@ def sass_mix(cubin: bytes) -> dict[str, int]:
     by Triton's bundled cuobjdump; {} where it cannot run. Static counts: a loop body's instructions count
     once, which for a kernel whose work is one loop is its mix per iteration. What it shows without a GPU: byte
     loads where 16-byte ones were meant, barriers, shared-memory round trips, conversions."""
-    return dict(Counter(m.group(1) for line in sass_text(cubin).splitlines() if (m := _SASS_OP.match(line))))
+    return _counts(sass_text(cubin))
+
+
+def _counts(sass: str) -> dict[str, int]:
+    """Each SASS instruction's count in a listing (with its width suffixes)."""
+    return dict(Counter(m.group(1) for line in sass.splitlines() if (m := _SASS_OP.match(line))))
 
 
 _SASS_ADDR = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s")
@@ -299,8 +304,7 @@ def compile_check(aots: Iterable[dict], sass: bool = False) -> Iterator[CompileC
         text = sass_text(compiled.asm["cubin"]) if sass else ""
         yield CompileCheck(aot["name"], arch, options, int(compiled.metadata.shared),
                            ptxas_usage(compiled.asm["ptx"], _target(aot, arch)),
-                           sass=dict(Counter(m.group(1) for line in text.splitlines() if (m := _SASS_OP.match(line)))),
-                           loop=innermost_loop(text))
+                           sass=_counts(text), loop=innermost_loop(text))
 
 
 def _spec_arch(aot: dict, module: str) -> str:
