@@ -143,15 +143,22 @@ def _v_half(vt, p_hi, p_lo, acc, A_L: gl.constexpr, PTX: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_tile(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i, tprev, offacc, B_L: gl.constexpr):
-    """One 16-token tile's online-softmax step from its raw dots and token scales/offsets (K: ts, to; V: tsv,
-    tov): the new (m, l), the tile's largest V token scale (acc's unit), the offsets' running sum, the factor
-    acc is rescaled by (alpha and the unit change) and p * tsv / tmax as hi + lo B operands."""
+def _online_softmax(dots, amax, qsum, ts, to, m_i, l_i):
+    """A tile's scores from its raw dots (times the query's scale and the K token scales, plus the token offsets'
+    share) and the online softmax's step: (the new running max, alpha, p, the new running sum)."""
     sc = dots * amax[None, :] * ts[:, None] + qsum[None, :] * to[:, None]
     m_new = gl.maximum(m_i, gl.max(sc, axis=0))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[None, :])
-    l_i = l_i * alpha + gl.sum(p, axis=0)
+    return m_new, alpha, p, l_i * alpha + gl.sum(p, axis=0)
+
+
+@gluon.jit
+def _softmax_tile(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i, tprev, offacc, B_L: gl.constexpr):
+    """One 16-token tile's online-softmax step from its raw dots and token scales/offsets (K: ts, to; V: tsv,
+    tov): the new (m, l), the tile's largest V token scale (acc's unit), the offsets' running sum, the factor
+    acc is rescaled by (alpha and the unit change) and p * tsv / tmax as hi + lo B operands."""
+    m_new, alpha, p, l_i = _online_softmax(dots, amax, qsum, ts, to, m_i, l_i)
     tmax = gl.max(tsv, axis=0)
     tmax = gl.where(tmax > 0, tmax, 1.0)
     f = alpha * (tprev / tmax)          # the softmax's rescale and the unit change to this tile's
@@ -165,11 +172,7 @@ def _softmax_tile_unit(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i, offacc, run
     """_softmax_tile with one V unit a group (1 / runit, the group's largest V token scale of this head) instead of
     one a tile: acc changes unit only at a group's ends, so the factor it is rescaled by is the softmax's alpha alone,
     which is exactly 1 wherever no row's running max rose (decode_split_v5's LAZY skips that rescale)."""
-    sc = dots * amax[None, :] * ts[:, None] + qsum[None, :] * to[:, None]
-    m_new = gl.maximum(m_i, gl.max(sc, axis=0))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(sc - m_new[None, :])
-    l_i = l_i * alpha + gl.sum(p, axis=0)
+    m_new, alpha, p, l_i = _online_softmax(dots, amax, qsum, ts, to, m_i, l_i)
     offacc = offacc * alpha + gl.sum(p * (tov * runit)[:, None], axis=0)
     p_hi, p_lo = _split16(p * (tsv * runit)[:, None])
     return m_new, l_i, offacc, alpha, gl.convert_layout(p_hi, B_L), gl.convert_layout(p_lo, B_L)
