@@ -347,7 +347,9 @@ DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"vari
                                 id="v5-subnormal-k-prefetch"),
                    pytest.param({"variant": "v5", "unpack": "subnormal", "lazy": True}, id="v5-subnormal-lazy"),
                    pytest.param({"variant": "v5", "skew": True, "unpack": "subnormal", "precise": "k", "lazy": True,
-                                 "prefetch": True}, id="v5-skew-subnormal-k-lazy-prefetch")]
+                                 "prefetch": True}, id="v5-skew-subnormal-k-lazy-prefetch"),
+                   pytest.param({"variant": "v5", "qsmem": True, "precise": "k", "maxnreg": 168}, id="v5-qsmem-k-r168"),
+                   pytest.param({"variant": "v5", "qsmem": False}, id="v5-no-qsmem")]
 """decode_attention's split kernels (and their knobs) that every decode check runs (v5 is the default on a GPU, v3
 elsewhere: test_the_default_decode_kernel_is_v5_on_a_gpu_and_v3_elsewhere); the first four are four kernels at their
 defaults. unpack "ptx" (inline PTX), v4 and v5 (Gluon): compiled (CUDA) runs only."""
@@ -388,6 +390,24 @@ def test_the_default_decode_kernel_is_v5_on_a_gpu_and_v3_elsewhere(dev):
     got = cache.decode(q)
     assert torch.equal(got, cache.decode(q, variant=want)), f"the default is not {want}, seed {seed}"
     assert not torch.equal(got, cache.decode(q, variant="v1")), f"v1's bits too: the check cannot tell, seed {seed}"
+
+
+def test_v5_resident_programs_and_where_it_parks_the_query(dev):
+    """v4's / v5's one-wave split count rests on how many one-warp programs an SM holds: registers alone without CUDA
+    (255 a thread: 8; caps of 200 / 168 / 128: 10 / 12 / 16); on a GPU also the ring's and the parked query's shared
+    memory (2 stages: 8 KiB a program, 16 KiB with the query), and qsmem's default is on exactly where parking the
+    query keeps 8 programs an SM (sm90's 228 KiB: yes; sm86's 100 KiB: no)."""
+    kt, device = dev
+    d = torch.device(device)
+    if device == "cpu":
+        assert [kt._resident(d, r, 2) for r in (None, 200, 168, 128)] == [8, 10, 12, 16]
+        assert kt._resident(d, None, 2, True) == 8
+        return
+    smem = torch.cuda.get_device_properties(d).shared_memory_per_multiprocessor
+    assert kt._resident(d, None, 2) == min(8, smem // 8192)
+    assert kt._resident(d, None, 2, True) == min(8, smem // 16384)
+    assert kt._resident(d, 128, 9) == min(16, smem // (9 * 3584 + 1024))
+    assert kt._qsmem_default(d, None, 2) == (smem >= 8 * 16384)
 
 
 @pytest.mark.parametrize("variant", DECODE_VARIANTS[:4])
@@ -438,7 +458,8 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                   {"variant": "v5", "prefetch": True}, {"variant": "v5", "prefetch": True, "splits": 3},
                   {"variant": "v5", "lazy": True, "splits": 2}, {"variant": "v5", "lazy": True, "prefetch": True},
                   {"variant": "v5", "skew": True}, {"variant": "v5", "skew": True, "splits": 3, "stages": 9},
-                  {"variant": "v5", "skew": True, "lazy": True, "splits": 1}]
+                  {"variant": "v5", "skew": True, "lazy": True, "splits": 1}, {"variant": "v5", "qsmem": True},
+                  {"variant": "v5", "qsmem": True, "maxnreg": 128, "splits": 3}]
                  if device == "cuda" else [])):
         got = cache.decode(q, **{"variant": "v2", **kw}).float()
         rel = ((got - v1).norm() / v1.norm()).item()
@@ -449,6 +470,7 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                       ({"variant": "v2", "unpack": "cvt"}, "v3/v4 knob"), ({"precise": "q"}, "precise"),
                       ({"variant": "v3", "prefetch": True}, "v5 knob"),
                       ({"variant": "v2", "lazy": True}, "v5 knob"), ({"variant": "v3", "unpack": "subnormal"}, "v5's"),
+                      ({"variant": "v4", "qsmem": True}, "v5 knob"),
                       *([({"unpack": "ptx"}, "CUDA tensors only"), ({"variant": "v4"}, "CUDA only"),
                          ({"variant": "v5"}, "CUDA only")]
                         if device == "cpu" else
@@ -472,8 +494,8 @@ def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_wit
     process: Gluon's compiler prints nanobind leak warnings when its process exits), for the users' sm86 and for
     sm90: v4 (both unpacks) with no shared memory and no barrier, where v3's default (the contrast: the check can
     fail) stages codes through shared memory behind a barrier; v5 with exactly its ring in shared memory (STAGES
-    tiles of 2,048 + 1,024 code bytes and 512 scale bytes) and one barrier. The script's --json rows carry
-    ptxas's figures as numbers."""
+    tiles of 2,048 + 1,024 code bytes and 512 scale bytes, and with qsmem the query's 8 KiB) and one barrier. The
+    script's --json rows carry ptxas's figures as numbers."""
     script = KERNEL_DIR.parents[1] / "bench" / "scripts" / "kvarn_compile_check.py"
     rows = {}
     for i, only in enumerate(("split v4", "split v5", "v3 t128 w8 s1 kv magic")):
@@ -487,15 +509,16 @@ def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_wit
     names = {name for name, _ in rows}
     assert {"decode split v3 t128 w8 s1 kv magic", "decode split v4 magic", "decode split v4 ptx",
             "decode split v5 s2", "decode split v5 s4", "decode split v5 s2 k", "decode split v5 s2 sub",
-            "decode split v5 s3 skew"} <= names, sorted(names)
+            "decode split v5 s3 skew", "decode split v5 s2 qs"} <= names, sorted(names)
     assert len(rows) == 2 * len(names), sorted(rows)
     for (name, arch), row in rows.items():
         assert not row["error"] and row["registers"] > 0 and row["fits"], f"{name} {arch} did not compile: {row}"
         light = row["shared_bytes"] == 0 and row["barriers"] == 0
         assert light == name.startswith("decode split v4"), f"{name} {arch}: {row['shared_bytes']} B shared, {row}"
         if name.startswith("decode split v5"):
-            stages = int(name.split()[3].removeprefix("s"))
-            assert row["shared_bytes"] == stages * (2048 + 1024 + 512) and row["barriers"] == 1, (name, arch, row)
+            stages, qsmem = int(name.split()[3].removeprefix("s")), name.endswith(" qs")
+            ring = stages * (2048 + 1024 + 512) + qsmem * 4 * 2 * 64 * 8 * 2   # qs: 4 chunks, hi + lo, [64, 8] fp16
+            assert row["shared_bytes"] == ring and row["barriers"] == 1, (name, arch, row)
 
 
 @pytest.mark.skipif(CHILD, reason="runs once, in the parent process")

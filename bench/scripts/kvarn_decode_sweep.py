@@ -58,9 +58,18 @@ CONFIGS = [BASELINE] + [
         {"unpack": "subnormal", "maxnreg": 200}, {"unpack": "subnormal", "precise": "", "maxnreg": 168},
         {"skew": True}, {"skew": True, "prefetch": True, "unpack": "subnormal", "precise": "k", "lazy": True},
         {"skew": True, "prefetch": True, "unpack": "subnormal", "precise": "", "lazy": True},
-        {"skew": True, "stages": 4, "prefetch": True, "unpack": "subnormal", "precise": "k", "lazy": True})
+        {"skew": True, "stages": 4, "prefetch": True, "unpack": "subnormal", "precise": "k", "lazy": True},
+        {"qsmem": True}, {"qsmem": True, "precise": "k", "maxnreg": 168},
+        {"qsmem": True, "precise": "k", "maxnreg": 128},
+        {"qsmem": True, "unpack": "subnormal", "precise": "k", "lazy": True, "maxnreg": 168},
+        {"qsmem": True, "precise": "k"}, {"qsmem": True, "precise": ""},
+        {"qsmem": True, "unpack": "subnormal", "precise": "k", "lazy": True}, {"qsmem": True, "stages": 3},
+        {"qsmem": True, "stages": 4}, {"qsmem": True, "unpack": "subnormal"}, {"qsmem": False},
+        {"qsmem": True, "maxnreg": 200}, {"qsmem": True, "precise": "k", "maxnreg": 200},
+        {"qsmem": True, "unpack": "subnormal", "precise": "k", "lazy": True, "maxnreg": 200},
+        {"qsmem": True, "unpack": "subnormal", "precise": "k", "lazy": True, "prefetch": True})
 ]
-"""69 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
+"""84 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
 were slower there), and v3 (codes read as stored, K's as the large dot operand) at its defaults (block_t 128,
 8 warps, 1 stage, "magic" unpack, precise "kv") and one or two knobs changed at a time: stages 3 is Triton's
 default pipelining; unpack "ptx" the magic number four codes at a time in inline PTX; maxnreg 128 two 8-warp
@@ -71,7 +80,10 @@ resident one-warp programs, and register caps of 168 and 128: 12 and 16 programs
 255); from index 51 (2026-12-07, evening) v5's hi-only operands (precise "k", ""), the subnormal unpack (codes as
 fp16 subnormals, no subtraction), the lazy rescale (one V unit a group), the prefetch of the next group's channel
 scales, register caps (200: 10 programs an SM, no spill in the token loop; the split count follows the cap:
-kvarn_triton._resident) and the skewed loop (a tile's dots before the previous tile's softmax and P.V).
+kvarn_triton._resident) and the skewed loop (a tile's dots before the previous tile's softmax and P.V); from index
+69 (2026-12-07, night) the query's operands in shared memory (qsmem: 64 registers a thread fewer to hold, so a
+register cap spills less), alone, under caps of 168 and 128, with hi-only operands, the subnormal unpack and
+deeper rings, caps of 200; and (79) v5 without it, qsmem's default on an sm90 GPU since 2026-12-07 (night).
 precise "kv" is v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
 SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
 
@@ -83,6 +95,7 @@ def label(cfg: dict, kt_defaults: dict) -> tuple[str, str, str, str, str, str]:
     variant = cfg["variant"] + (f" {cfg.get('unpack', 'magic')}" if cfg["variant"] in ("v3", "v4") else "") + \
         (" sub" if cfg.get("unpack") == "subnormal" else "") + (" lazy" if cfg.get("lazy") else "") + \
         (" pf" if cfg.get("prefetch") else "") + (" skew" if cfg.get("skew") else "") + \
+        (" qs" if cfg.get("qsmem") else " no-qs" if cfg.get("qsmem") is False else "") + \
         (f" r{cfg['maxnreg']}" if "maxnreg" in cfg else "")
     return (variant, str(cfg.get("block_t", d[0])), str(cfg.get("num_warps", d[1])),
             str(cfg.get("stages", d[2] or "-")), str(cfg.get("splits", "auto")),

@@ -374,6 +374,42 @@ def _k_tile(ks, sl, q0, q1, q2, q3, A_L: gl.constexpr, PRECISE: gl.constexpr, SU
 
 
 @gluon.jit
+def _q_park(qs, q0, q1, q2, q3):
+    """The group's query operands (four chunks, hi and lo) into shared memory, entry 2 c + (lo) (QSMEM)."""
+    qs.index(0).store(q0[0])
+    qs.index(1).store(q0[1])
+    qs.index(2).store(q1[0])
+    qs.index(3).store(q1[1])
+    qs.index(4).store(q2[0])
+    qs.index(5).store(q2[1])
+    qs.index(6).store(q3[0])
+    qs.index(7).store(q3[1])
+
+
+@gluon.jit
+def _q_op(qs, c: gl.constexpr, B_L: gl.constexpr, PRECISE: gl.constexpr):
+    """Chunk c's (hi, lo) operands read back from shared memory (lo only where PRECISE needs it)."""
+    hi = qs.index(2 * c).load(B_L)
+    if PRECISE:
+        lo = qs.index(2 * c + 1).load(B_L)
+    else:
+        lo = hi
+    return hi, lo
+
+
+@gluon.jit
+def _k_tile_q(ks, sl, qs, q0, q1, q2, q3, A_L: gl.constexpr, B_L: gl.constexpr, PRECISE: gl.constexpr,
+              SUB: gl.constexpr, QSMEM: gl.constexpr):
+    """_k_tile with the query's operands from registers, or (QSMEM) read from shared memory for this tile."""
+    if QSMEM:
+        q0 = _q_op(qs, 0, B_L, PRECISE)
+        q1 = _q_op(qs, 1, B_L, PRECISE)
+        q2 = _q_op(qs, 2, B_L, PRECISE)
+        q3 = _q_op(qs, 3, B_L, PRECISE)
+    return _k_tile(ks, sl, q0, q1, q2, q3, A_L, PRECISE, SUB)
+
+
+@gluon.jit
 def _v_words(raw, p_hi, p_lo, acc, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.constexpr):
     """One 128-channel half of a 16-token V tile (raw: [16 (T), 8 (x), 4 (byte)] in V_HALF) unpacked two tokens'
     words at a time (V_WORDS, or V_WORDS_SUB: SUB), accumulated with p's hi (and, PRECISE, its lo) operand into acc
@@ -482,7 +518,7 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
                     HKV: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, T: gl.constexpr,
                     NSPLIT: gl.constexpr, STAGES: gl.constexpr, PRECISE_K: gl.constexpr = True,
                     PRECISE_V: gl.constexpr = True, SUB: gl.constexpr = False, LAZY: gl.constexpr = False,
-                    PREFETCH: gl.constexpr = False, SKEW: gl.constexpr = False):
+                    PREFETCH: gl.constexpr = False, SKEW: gl.constexpr = False, QSMEM: gl.constexpr = False):
     """v4's program (s, h, j) with every tile's codes and token scales copied STAGES - 1 tiles ahead into a ring
     of shared memory (cp.async), so no global load waits in the token loop; codes unpacked a word at a time.
     PRECISE_K / PRECISE_V: the query / p as fp16 hi + lo operands (two mma each, v1's precision) or hi alone.
@@ -491,7 +527,9 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     where a row's running max rose. PREFETCH: the next group's K and V channel scales of this head are asked into L1
     at a group's start (_prefetch_scales), so the next group's start does not wait on them from memory. SKEW: a tile's
     dots are computed before the previous tile's softmax and P.V, two independent chains in one step (needs STAGES
-    >= 3: a slot is refilled only after its P.V)."""
+    >= 3: a slot is refilled only after its P.V). QSMEM: the query's operands live in shared memory, stored once a
+    group and read by every tile (_q_ops), not in 32 or 64 registers a thread for the whole run: room for a register
+    cap that lets more programs share an SM."""
     gl.static_assert(D == 256, "v5's channel maps are for head_dim 256")
     gl.static_assert(QPK <= 8, "v5 holds a KV head's query rows in the mma's 8 columns")
     gl.static_assert(HKV == 4, "v5 reads a tile's token scales as [16 tokens, 4 heads]")
@@ -523,6 +561,7 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     ks = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, 16, 4, 8], RING)
     vs = gl.allocate_shared_memory(gl.uint8, [STAGES * 2, 16, 8, 4], RING)
     ss = gl.allocate_shared_memory(gl.float16, [STAGES * 4, 16, HKV], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    qs = gl.allocate_shared_memory(gl.float16, [8 if QSMEM else 1, D // 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     bt_row = bt_ptr + s.to(gl.int64) * stride_bt
     # an empty program (g0 >= g1) fills its ring from page 0 and reads none of it
     base = gl.load(bt_row + g0, mask=g0 < g1, other=0).to(gl.int64) * page_bytes
@@ -538,6 +577,8 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             _prefetch_scales(u8_ptr + base_n, h, K_CS, V_CS, D)
         q0, q1, q2, q3, qsum, amax, vcs, acc0, acc1 = _group_open(f16_ptr, fb, h, qrow, qmask, kb, acc0, acc1,
                                                                  vch0, vch1, K_CS, V_CS, D, ROWS, True)
+        if QSMEM:
+            _q_park(qs, q0, q1, q2, q3)
         if SUB:  # the dots come out 2^-24 of the true ones, and P.V accumulates in units 2^-24 of acc's
             amax = amax * SUBNORMAL_UNIT
             acc0 = acc0 * (1.0 / SUBNORMAL_UNIT)
@@ -557,7 +598,7 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             # independent chains the scheduler interleaves) and refills tile t - 1's slot only after its P.V
             async_copy.wait_group(STAGES - 2)
             sl = it % STAGES
-            dots = _k_tile(ks, sl, q0, q1, q2, q3, A_L, PRECISE_K, SUB)
+            dots = _k_tile_q(ks, sl, qs, q0, q1, q2, q3, A_L, B_L, PRECISE_K, SUB, QSMEM)
             _fill_ahead(ks, vs, ss, it, 0, base, base_n, u8_ptr, f16_ptr, kofs, vofs, sofs, K_TS, K_TO, V_TS, V_TO,
                         HKV, D, T, STAGES)
             it += 1
@@ -565,7 +606,7 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
                 async_copy.wait_group(STAGES - 2)
                 sp = sl
                 sl = it % STAGES
-                dots_n = _k_tile(ks, sl, q0, q1, q2, q3, A_L, PRECISE_K, SUB)
+                dots_n = _k_tile_q(ks, sl, qs, q0, q1, q2, q3, A_L, B_L, PRECISE_K, SUB, QSMEM)
                 m_i, l_i, tprev, offacc, acc0, acc1 = _pv_tile(ss, vs, sp, dots, amax, qsum, m_i, l_i, tprev, offacc,
                                                                runit, acc0, acc1, hsel, SC_RD, ROWS16, A_L, B_L,
                                                                PRECISE_V, SUB, LAZY)
@@ -583,7 +624,7 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
                             V_TO, HKV, D, T, STAGES)
                 async_copy.wait_group(STAGES - 1)        # tile it has landed
                 sl = it % STAGES
-                dots = _k_tile(ks, sl, q0, q1, q2, q3, A_L, PRECISE_K, SUB)
+                dots = _k_tile_q(ks, sl, qs, q0, q1, q2, q3, A_L, B_L, PRECISE_K, SUB, QSMEM)
                 m_i, l_i, tprev, offacc, acc0, acc1 = _pv_tile(ss, vs, sl, dots, amax, qsum, m_i, l_i, tprev, offacc,
                                                                runit, acc0, acc1, hsel, SC_RD, ROWS16, A_L, B_L,
                                                                PRECISE_V, SUB, LAZY)

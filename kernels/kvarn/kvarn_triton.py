@@ -755,17 +755,24 @@ eight-warp programs an SM, at most 64). On an H100 at 8 x 32k (CUDA-graph replay
 wave, 253.4 us; 48 and 96, a part-filled second wave, 327.4 and 323.2 us; 64 (two waves) 285.9 us."""
 
 
-def _resident(device: torch.device, maxnreg: int | None, stages: int) -> int:
+def _resident(device: torch.device, maxnreg: int | None, stages: int, qsmem: bool = False) -> int:
     """How many one-warp v4 / v5 programs an SM holds at once: its 65,536 registers over the kernel's (maxnreg, or
     the 255 ptxas gives them; allocated 8 a thread at a time), and for v5 its shared memory over the ring's
-    (``stages`` tiles of 3,584 B, plus the 1 KiB the driver reserves a block) where torch reports the SM's.
-    Without a cap that is V4_SPLITS[0] (8); a cap of 200 makes it 10, of 168 12."""
-    if maxnreg is None:
-        return V4_SPLITS[0]
-    regs = 65536 // (32 * -(-maxnreg // 8) * 8)
+    (``stages`` tiles of 3,584 B, the query's 8 KiB with ``qsmem``, plus the 1 KiB the driver reserves a block)
+    where torch reports the SM's. Without a cap that is V4_SPLITS[0] (8: 255 registers); a cap of 200 makes it 10, of
+    168 12; an sm86 SM's 100 KiB holds 6 programs with the query parked (qsmem), an sm90 SM's 228 KiB 13."""
+    regs = 65536 // (32 * -(-(maxnreg or 255) // 8) * 8)
     smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 0) \
         if device.type == "cuda" and stages else 0
-    return max(1, min(regs, smem // (stages * 3584 + 1024)) if smem else regs)
+    return max(1, min(regs, smem // (stages * 3584 + 1024 + 8192 * qsmem)) if smem else regs)
+
+
+def _qsmem_default(device: torch.device, maxnreg: int | None, stages: int) -> bool:
+    """v5's ``qsmem`` unless the caller says: on where the SM's shared memory holds as many programs with the query
+    parked as without (the registers decide then), off where it would hold fewer. Measured on an H100 (2026-12-07,
+    CUDA-graph replays at 8 x 32k, precise "kv"): 233.3 / 242.3 us with it against 253.6 / 254.5 without, same
+    results; on an sm86 SM (100 KiB) parking would cut 8 programs to 6, and it has not been measured there."""
+    return _resident(device, maxnreg, stages, True) >= _resident(device, maxnreg, stages, False)
 
 
 GLUON_STAGES = range(2, 10)
@@ -776,6 +783,9 @@ V5_PREFETCH = False
 """v5's ``prefetch`` when the caller gives none."""
 V5_SKEW = False
 """v5's ``skew`` when the caller gives none."""
+V5_QSMEM = None
+"""v5's ``qsmem`` when the caller gives none; None: wherever parking the query costs no resident program
+(_qsmem_default: on an sm90 SM, not on an sm86 one)."""
 PRECISE = ("kv", "k", "v", "")
 """``precise``: which dot operands are fp16 hi + lo (two mma, ~22 bits: v1's precision) rather than hi alone (11
 bits): the query against K ("k"), p against V ("v"), both (the default) or neither."""
@@ -841,7 +851,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                      variant: str | None = None, precise: str = "kv", tail_rows: torch.Tensor | None = None,
                      stages: int | None = None, unpack: str = DEFAULT_UNPACK,
                      maxnreg: int | None = None, lazy: bool | None = None,
-                     prefetch: bool | None = None, skew: bool | None = None) -> torch.Tensor:
+                     prefetch: bool | None = None, skew: bool | None = None,
+                     qsmem: bool | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
 
     q [S, HQ, D]; block_table int32 [S, >= max_groups] (page of each full group); n_groups, tail_len
@@ -856,8 +867,9 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     "v5" (kvarn_gluon.decode_split_v5: v4 fed by a ring of ``stages`` tiles (default 2) that cp.async
     fills ahead in shared memory, codes unpacked a word at a time; compiled CUDA only, no other knob but splits,
     maxnreg, precise, ``lazy``: one V unit a group, so the accumulator is rescaled only where a row's running max
-    rose, ``prefetch``: the next group's channel scales asked into L1 at a group's start, and ``skew``: a tile's
-    dots before the previous tile's softmax and P.V, which needs a ring of 3 or more (its default then)),
+    rose, ``prefetch``: the next group's channel scales asked into L1 at a group's start, ``skew``: a tile's
+    dots before the previous tile's softmax and P.V, which needs a ring of 3 or more (its default then), and
+    ``qsmem``: the query's operands in shared memory, read by each tile, not held in registers),
     "v4" (kvarn_gluon.decode_split_v4, a Gluon kernel: codes straight from global memory into
     tensor-core operands, one warp a program, no shared memory; compiled CUDA only, ``unpack`` "magic" or
     "ptx", no other knob but splits), "v3" (the default without Gluon; _decode_split_kernel_v3: codes read as stored,
@@ -895,7 +907,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                          "by 'magic', 'ptx' or 'cvt'")
     if precise not in PRECISE:
         raise ValueError(f"precise {precise!r}: one of {PRECISE} (which operands are fp16 hi + lo)")
-    for knob, value in (("lazy", lazy), ("prefetch", prefetch), ("skew", skew)):
+    for knob, value in (("lazy", lazy), ("prefetch", prefetch), ("skew", skew), ("qsmem", qsmem)):
         if value is not None and variant != "v5":
             raise ValueError(f"{knob} {value} is a v5 knob; variant {variant!r} has no such choice (leave {knob} out)")
     if variant in ("v4", "v5"):
@@ -916,7 +928,9 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     q_scale = LOG2E / math.sqrt(d)
     qc = q.contiguous()  # the combine kernel and the rotation read it as stored and scale it themselves
     gluon = variant in ("v4", "v5")
-    per_sm = _resident(q.device, maxnreg, stages if variant == "v5" else 0) if gluon else 4
+    qsmem = V5_QSMEM if qsmem is None else qsmem
+    qsmem = variant == "v5" and bool(_qsmem_default(q.device, maxnreg, stages) if qsmem is None else qsmem)
+    per_sm = _resident(q.device, maxnreg, stages if variant == "v5" else 0, qsmem) if gluon else 4
     gps, nsplit = _splits(s_, hkv, max_groups, q.device, per_sm, V4_SPLITS[1] if gluon else 64, one_wave=gluon)
     if splits is not None and max_groups > 0:
         gps = math.ceil(max_groups / max(1, min(splits, max_groups)))
@@ -942,7 +956,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
             kernel, kw["STAGES"], stages = _load_gluon().decode_split_v5, stages, None
             kw.update(PRECISE_K="k" in precise, PRECISE_V="v" in precise, SUB=unpack == "subnormal",
                       LAZY=V5_LAZY if lazy is None else bool(lazy),
-                      PREFETCH=V5_PREFETCH if prefetch is None else bool(prefetch), SKEW=skewed)
+                      PREFETCH=V5_PREFETCH if prefetch is None else bool(prefetch), SKEW=skewed,
+                      QSMEM=qsmem)
             del kw["BLOCK_G"], kw["BLOCK_T"]
         if stages is not None:
             kw["num_stages"] = stages
