@@ -130,3 +130,16 @@ def test_the_host_time_script_refuses_bad_arguments_and_a_host_without_cuda(tmp_
     it, before any device work; without CUDA it says so and exits 2."""
     gpu_script_refuses(ROOT / "bench" / "scripts" / "kvarn_host_time.py", ["--old", str(tmp_path / "none.py")],
                        "none.py: no such file")
+
+
+def test_the_decode_sweep_profile_mode_launches_only_the_picked_configs():
+    """kvarn_decode_sweep.py --profile (what gpu_session.sh's ncu step runs under Nsight Compute, which profiles the
+    first 'decode_split' launch it sees) launches each picked config once a length and nothing else: no v1 reference
+    before it, no timing; here on CPU (--smoke: Triton's interpreter, its three configs at two tiny lengths)."""
+    script = ROOT / "bench" / "scripts" / "kvarn_decode_sweep.py"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--profile"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    launched = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("launched ")]
+    assert launched == ["v1", "v2", "v3"] * 2, proc.stdout
+    assert "SDPA" not in proc.stdout and "µs" not in proc.stdout, proc.stdout

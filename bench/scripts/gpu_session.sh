@@ -142,7 +142,7 @@ step_ncu() {
   [ -n "$ncu" ] && [ -x "$ncu" ] || { echo "ncu: not found on this host (NCU, PATH, /usr/local/cuda*/bin)"; return 1; }
   for idx in ${NCU_ONLY:-35}; do
     "$ncu" --clock-control none -k regex:decode_split -c 1 --set full --import-source yes -o "$OUT/ncu-$idx" \
-      "$PY" bench/scripts/kvarn_decode_sweep.py --only "$idx" --lengths 32768 --iters 1 --warmup 0 > "$OUT/ncu-$idx.log" 2>&1
+      "$PY" bench/scripts/kvarn_decode_sweep.py --only "$idx" --lengths 32768 --profile > "$OUT/ncu-$idx.log" 2>&1
     "$ncu" -i "$OUT/ncu-$idx.ncu-rep" --page details > "$OUT/ncu-$idx-details.txt" 2>&1
     "$ncu" -i "$OUT/ncu-$idx.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-$idx-sass.csv" 2>&1
     "$PY" bench/scripts/ncu_regions.py "$OUT/ncu-$idx-sass.csv" --least "${NCU_LEAST:-64}" 2>&1 | tee "$OUT/ncu-$idx-regions.txt" | head -12

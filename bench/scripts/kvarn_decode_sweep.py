@@ -67,9 +67,11 @@ CONFIGS = [BASELINE] + [
         {"qsmem": True, "stages": 4}, {"qsmem": True, "unpack": "subnormal"}, {"qsmem": False},
         {"qsmem": True, "maxnreg": 200}, {"qsmem": True, "precise": "k", "maxnreg": 200},
         {"qsmem": True, "unpack": "subnormal", "precise": "k", "lazy": True, "maxnreg": 200},
-        {"qsmem": True, "unpack": "subnormal", "precise": "k", "lazy": True, "prefetch": True})
+        {"qsmem": True, "unpack": "subnormal", "precise": "k", "lazy": True, "prefetch": True},
+        {"qsmem": True, "maxnreg": 200, "splits": 33}, {"qsmem": True, "maxnreg": 200, "splits": 66},
+        {"qsmem": True, "maxnreg": 168, "splits": 33})
 ]
-"""84 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
+"""87 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
 were slower there), and v3 (codes read as stored, K's as the large dot operand) at its defaults (block_t 128,
 8 warps, 1 stage, "magic" unpack, precise "kv") and one or two knobs changed at a time: stages 3 is Triton's
 default pipelining; unpack "ptx" the magic number four codes at a time in inline PTX; maxnreg 128 two 8-warp
@@ -79,11 +81,13 @@ default ring depth (2; 4 until 2026-12-07) and splits, and others (2026-12-07: s
 resident one-warp programs, and register caps of 168 and 128: 12 and 16 programs an SM, with spills, against 8 at
 255); from index 51 (2026-12-07, evening) v5's hi-only operands (precise "k", ""), the subnormal unpack (codes as
 fp16 subnormals, no subtraction), the lazy rescale (one V unit a group), the prefetch of the next group's channel
-scales, register caps (200: 10 programs an SM, no spill in the token loop; the split count follows the cap:
-kvarn_triton._resident) and the skewed loop (a tile's dots before the previous tile's softmax and P.V); from index
+scales, register caps (200: no spill in the token loop; the split count follows the cap, kvarn_triton._resident,
+which counted 10 programs an SM there until rows 84-86 showed 8: those rows of 2026-12-07 ran a part-filled second
+wave) and the skewed loop (a tile's dots before the previous tile's softmax and P.V); from index
 69 (2026-12-07, night) the query's operands in shared memory (qsmem: 64 registers a thread fewer to hold, so a
 register cap spills less), alone, under caps of 168 and 128, with hi-only operands, the subnormal unpack and
-deeper rings, caps of 200; and (79) v5 without it, qsmem's default on an sm90 GPU since 2026-12-07 (night).
+deeper rings, caps of 200; (79) v5 without it, qsmem's default on an sm90 GPU since 2026-12-07 (night); (84-86)
+caps of 200 / 168 at one wave of 8 programs an SM (33 splits) and two (66), against the split count the cap implies.
 precise "kv" is v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
 SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
 
@@ -115,6 +119,9 @@ def main() -> int:
                                                            "at the key length (torch profiler)")
     ap.add_argument("--only", default="", help="comma-separated: variants (v1 ... v5: all their configs) and numbers "
                                                "N (CONFIGS[N], e.g. one kernel under a profiler); default all")
+    ap.add_argument("--profile", action="store_true", help="launch each picked config once at each length and nothing "
+                                                            "else (no SDPA, no v1 reference, no timing): what a "
+                                                            "profiler filtering on 'decode_split' should catch")
     a = ap.parse_args()
     picks = [x for x in a.only.split(",") if x]
     configs = [c for i, c in enumerate(CONFIGS) if not picks or c["variant"] in picks or str(i) in picks]
@@ -138,6 +145,8 @@ def main() -> int:
         print("no CUDA device: run on a GPU, or pass --smoke for the CPU interpreter check", file=sys.stderr)
         return 2
     device = torch.device("cpu" if a.smoke else "cuda")
+    if a.profile:
+        return profile_launches(kt, configs, lengths, a.batch, device)
     key = 32768 if 32768 in lengths else lengths[len(lengths) // 2]
 
     def timed(fn):
@@ -216,6 +225,22 @@ def main() -> int:
                   f"{packed[n] / t / 1e9:,.0f} GB/s = {100 * packed[n] / t / copy_bps:.0f}% of copy bandwidth")
     if a.kernels:
         kernel_times(kt, configs[best], key, a.batch, device)
+    return 0
+
+
+def profile_launches(kt, configs: list[dict], lengths: list[int], batch: int, device) -> int:
+    """One decode_attention call per config and length, nothing else launched around them: a sweep run for the timing
+    table first launches the v1 reference, whose split kernel a profiler's first 'decode_split' match would be."""
+    import torch
+
+    for n in lengths:
+        x = kb.decode_setup(kt, n, batch, device)
+        for cfg in configs:
+            kt.decode_attention(x["q"], *x["args"], **cfg)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            print(f"launched {' '.join(label(cfg, kt.DECODE_DEFAULTS))} at {batch} x {n:,}")
+        x = None
     return 0
 
 

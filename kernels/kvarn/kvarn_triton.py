@@ -756,12 +756,15 @@ wave, 253.4 us; 48 and 96, a part-filled second wave, 327.4 and 323.2 us; 64 (tw
 
 
 def _resident(device: torch.device, maxnreg: int | None, stages: int, qsmem: bool = False) -> int:
-    """How many one-warp v4 / v5 programs an SM holds at once: its 65,536 registers over the kernel's (maxnreg, or
-    the 255 ptxas gives them; allocated 8 a thread at a time), and for v5 its shared memory over the ring's
-    (``stages`` tiles of 3,584 B, the query's 8 KiB with ``qsmem``, plus the 1 KiB the driver reserves a block)
-    where torch reports the SM's. Without a cap that is V4_SPLITS[0] (8: 255 registers); a cap of 200 makes it 10, of
-    168 12; an sm86 SM's 100 KiB holds 6 programs with the query parked (qsmem), an sm90 SM's 228 KiB 13."""
-    regs = 65536 // (32 * -(-(maxnreg or 255) // 8) * 8)
+    """How many one-warp v4 / v5 programs an SM holds at once: by registers, 4 times what one of the SM's four
+    schedulers holds (each has its own 16,384 registers; a warp takes 32 x the kernel's registers, maxnreg or the 255
+    ptxas gives them, rounded up to 8), and for v5 its shared memory over the ring's (``stages`` tiles of 3,584 B,
+    the query's 8 KiB with ``qsmem``, plus the 1 KiB the driver reserves a block) where torch reports the SM's.
+    Without a cap that is V4_SPLITS[0] (8: 255 registers); a cap of 200 keeps it 8 (2 a scheduler: 65,536 / 6,400 =
+    10 counted the SM as one pool, and Nsight Compute and the sweep said 8 — an H100, 2026-12-07: 41 splits 456 us,
+    33 splits 282 us), 168 makes it 12, 128 16; an sm86 SM's 100 KiB holds 6 programs with the query parked
+    (qsmem), an sm90 SM's 228 KiB 13."""
+    regs = 4 * (16384 // (32 * -(-(maxnreg or 255) // 8) * 8))
     smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 0) \
         if device.type == "cuda" and stages else 0
     return max(1, min(regs, smem // (stages * 3584 + 1024 + 8192 * qsmem)) if smem else regs)
