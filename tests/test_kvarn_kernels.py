@@ -349,7 +349,10 @@ DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"vari
                    pytest.param({"variant": "v5", "skew": True, "unpack": "subnormal", "precise": "k", "lazy": True,
                                  "prefetch": True}, id="v5-skew-subnormal-k-lazy-prefetch"),
                    pytest.param({"variant": "v5", "qsmem": True, "precise": "k", "maxnreg": 168}, id="v5-qsmem-k-r168"),
-                   pytest.param({"variant": "v5", "qsmem": False}, id="v5-no-qsmem")]
+                   pytest.param({"variant": "v5", "qsmem": False}, id="v5-no-qsmem"),
+                   pytest.param({"variant": "v5", "inplace": True}, id="v5-inplace"),
+                   pytest.param({"variant": "v5", "inplace": True, "unpack": "subnormal", "precise": "k", "lazy": True,
+                                 "prefetch": True}, id="v5-inplace-subnormal-k-lazy-prefetch")]
 """decode_attention's split kernels (and their knobs) that every decode check runs (v5 is the default on a GPU, v3
 elsewhere: test_the_default_decode_kernel_is_v5_on_a_gpu_and_v3_elsewhere); the first four are four kernels at their
 defaults. unpack "ptx" (inline PTX), v4 and v5 (Gluon): compiled (CUDA) runs only."""
@@ -460,7 +463,8 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                   {"variant": "v5", "lazy": True, "splits": 2}, {"variant": "v5", "lazy": True, "prefetch": True},
                   {"variant": "v5", "skew": True}, {"variant": "v5", "skew": True, "splits": 3, "stages": 9},
                   {"variant": "v5", "skew": True, "lazy": True, "splits": 1}, {"variant": "v5", "qsmem": True},
-                  {"variant": "v5", "qsmem": True, "maxnreg": 128, "splits": 3}]
+                  {"variant": "v5", "qsmem": True, "maxnreg": 128, "splits": 3}, {"variant": "v5", "inplace": True},
+                  {"variant": "v5", "inplace": True, "qsmem": False, "lazy": True, "splits": 3}]
                  if device == "cuda" else [])):
         got = cache.decode(q, **{"variant": "v2", **kw}).float()
         rel = ((got - v1).norm() / v1.norm()).item()
@@ -471,7 +475,7 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                       ({"variant": "v2", "unpack": "cvt"}, "v3/v4 knob"), ({"precise": "q"}, "precise"),
                       ({"variant": "v3", "prefetch": True}, "v5 knob"),
                       ({"variant": "v2", "lazy": True}, "v5 knob"), ({"variant": "v3", "unpack": "subnormal"}, "v5's"),
-                      ({"variant": "v4", "qsmem": True}, "v5 knob"),
+                      ({"variant": "v4", "qsmem": True}, "v5 knob"), ({"variant": "v3", "inplace": True}, "v5 knob"),
                       *([({"unpack": "ptx"}, "CUDA tensors only"), ({"variant": "v4"}, "CUDA only"),
                          ({"variant": "v5"}, "CUDA only")]
                         if device == "cpu" else
@@ -510,14 +514,14 @@ def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_wit
     names = {name for name, _ in rows}
     assert {"decode split v3 t128 w8 s1 kv magic", "decode split v4 magic", "decode split v4 ptx",
             "decode split v5 s2", "decode split v5 s4", "decode split v5 s2 k", "decode split v5 s2 sub",
-            "decode split v5 s3 skew", "decode split v5 s2 qs"} <= names, sorted(names)
+            "decode split v5 s3 skew", "decode split v5 s2 qs", "decode split v5 s2 qs ip"} <= names, sorted(names)
     assert len(rows) == 2 * len(names), sorted(rows)
     for (name, arch), row in rows.items():
         assert not row["error"] and row["registers"] > 0 and row["fits"], f"{name} {arch} did not compile: {row}"
         light = row["shared_bytes"] == 0 and row["barriers"] == 0
         assert light == name.startswith("decode split v4"), f"{name} {arch}: {row['shared_bytes']} B shared, {row}"
         if name.startswith("decode split v5"):
-            stages, qsmem = int(name.split()[3].removeprefix("s")), name.endswith(" qs")
+            stages, qsmem = int(name.split()[3].removeprefix("s")), "qs" in name.split()
             ring = stages * (2048 + 1024 + 512) + qsmem * 4 * 2 * 64 * 8 * 2   # qs: 4 chunks, hi + lo, [64, 8] fp16
             assert row["shared_bytes"] == ring and row["barriers"] == 1, (name, arch, row)
 

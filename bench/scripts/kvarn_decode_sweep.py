@@ -69,9 +69,11 @@ CONFIGS = [BASELINE] + [
         {"qsmem": True, "unpack": "subnormal", "precise": "k", "lazy": True, "maxnreg": 200},
         {"qsmem": True, "unpack": "subnormal", "precise": "k", "lazy": True, "prefetch": True},
         {"qsmem": True, "maxnreg": 200, "splits": 33}, {"qsmem": True, "maxnreg": 200, "splits": 66},
-        {"qsmem": True, "maxnreg": 168, "splits": 33})
+        {"qsmem": True, "maxnreg": 168, "splits": 33}, {"inplace": True}, {"inplace": True, "precise": "k"},
+        {"inplace": True, "unpack": "subnormal", "precise": "k", "lazy": True, "prefetch": True},
+        {"inplace": True, "unpack": "subnormal", "precise": "", "lazy": True})
 ]
-"""87 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
+"""91 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
 were slower there), and v3 (codes read as stored, K's as the large dot operand) at its defaults (block_t 128,
 8 warps, 1 stage, "magic" unpack, precise "kv") and one or two knobs changed at a time: stages 3 is Triton's
 default pipelining; unpack "ptx" the magic number four codes at a time in inline PTX; maxnreg 128 two 8-warp
@@ -87,7 +89,8 @@ wave) and the skewed loop (a tile's dots before the previous tile's softmax and 
 69 (2026-12-07, night) the query's operands in shared memory (qsmem: 64 registers a thread fewer to hold, so a
 register cap spills less), alone, under caps of 168 and 128, with hi-only operands, the subnormal unpack and
 deeper rings, caps of 200; (79) v5 without it, qsmem's default on an sm90 GPU since 2026-12-07 (night); (84-86)
-caps of 200 / 168 at one wave of 8 programs an SM (33 splits) and two (66), against the split count the cap implies.
+caps of 200 / 168 at one wave of 8 programs an SM (33 splits) and two (66), against the split count the cap implies;
+(87-90) the in-place unpack (codes masked where they lie: 72 fewer shifts a tile), with qsmem.
 precise "kv" is v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
 SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
 
@@ -100,6 +103,7 @@ def label(cfg: dict, kt_defaults: dict) -> tuple[str, str, str, str, str, str]:
         (" sub" if cfg.get("unpack") == "subnormal" else "") + (" lazy" if cfg.get("lazy") else "") + \
         (" pf" if cfg.get("prefetch") else "") + (" skew" if cfg.get("skew") else "") + \
         (" qs" if cfg.get("qsmem") else " no-qs" if cfg.get("qsmem") is False else "") + \
+        (" ip" if cfg.get("inplace") else "") + \
         (f" r{cfg['maxnreg']}" if "maxnreg" in cfg else "")
     return (variant, str(cfg.get("block_t", d[0])), str(cfg.get("num_warps", d[1])),
             str(cfg.get("stages", d[2] or "-")), str(cfg.get("splits", "auto")),

@@ -104,9 +104,11 @@ def _q_chunk(qrow, qmask, kcs, kb, C: gl.constexpr, WORDS: gl.constexpr):
 
 
 @gluon.jit
-def _query(qrow, qmask, kcs, kb, S_L: gl.constexpr, WORDS: gl.constexpr = False):
+def _query(qrow, qmask, kcs, kb, S_L: gl.constexpr, WORDS: gl.constexpr = False, LO16: gl.constexpr = False):
     """q * K channel scale / its largest |value| (per row) as four (hi, lo) B-operand chunks, with the rows'
-    sums (for the token offsets) and largest |values| in the scores' layout S_L."""
+    sums (for the token offsets) and largest |values| in the scores' layout S_L. LO16 (v5's in-place unpack, WORDS
+    order): the operands of low-nibble channels (k < 32 of a chunk) x 16, as its high nibbles come out 16 x code;
+    the dots are then 16 x, which the caller folds into the row scale."""
     c0 = _q_chunk(qrow, qmask, kcs, kb, 0, WORDS)
     c1 = _q_chunk(qrow, qmask, kcs, kb, 1, WORDS)
     c2 = _q_chunk(qrow, qmask, kcs, kb, 2, WORDS)
@@ -116,6 +118,8 @@ def _query(qrow, qmask, kcs, kb, S_L: gl.constexpr, WORDS: gl.constexpr = False)
                       gl.maximum(gl.max(gl.abs(c2), axis=0), gl.max(gl.abs(c3), axis=0)))
     amax = gl.where(amax > 0, amax, 1.0)
     r = 1.0 / amax[None, :]
+    if LO16:
+        r = r * gl.where(kb < 32, 16.0, 1.0)[:, None]
     return (_split16(c0 * r), _split16(c1 * r), _split16(c2 * r), _split16(c3 * r),
             gl.convert_layout(qsum, S_L), gl.convert_layout(amax, S_L))
 
@@ -217,10 +221,10 @@ def _run_start(D: gl.constexpr, ROWS: gl.constexpr):
 
 @gluon.jit
 def _group_open(f16_ptr, fb, h, qrow, qmask, kb, acc0, acc1, vch0, vch1, K_CS: gl.constexpr, V_CS: gl.constexpr,
-                D: gl.constexpr, ROWS: gl.constexpr, WORDS: gl.constexpr):
+                D: gl.constexpr, ROWS: gl.constexpr, WORDS: gl.constexpr, LO16: gl.constexpr = False):
     """A group's start: the query in its K channel scales (_query), and the running P.V sums moved into this
     group's V channel units (they are kept in units of the current group's scales, see _group_close)."""
-    q0, q1, q2, q3, qsum, amax = _query(qrow, qmask, f16_ptr + fb + K_CS // 2 + h * D, kb, ROWS, WORDS)
+    q0, q1, q2, q3, qsum, amax = _query(qrow, qmask, f16_ptr + fb + K_CS // 2 + h * D, kb, ROWS, WORDS, LO16)
     vcs = f16_ptr + fb + V_CS // 2 + h * D
     acc0 = acc0 / gl.load(vcs + vch0).to(gl.float32)[:, None]
     acc1 = acc1 / gl.load(vcs + vch1).to(gl.float32)[:, None]
@@ -292,7 +296,7 @@ def decode_split_v4(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
 
 # ----------------------------------------------------------------------------- v5: v4 fed by a cp.async ring
 
-def _k_word_ptx(subnormal: bool) -> str:
+def _k_word_ptx(subnormal: bool, inplace: bool = False) -> str:
     """One K code word (4 bytes, 8 nibbles) -> 8 fp16 as two outputs of 4 (pack 4: output 0 is $0 $1, output 1 $2
     $3): the low nibbles, then the high ones, each as pairs (byte 0, byte 2), (byte 1, byte 3). Magic: (w >> s) &
     0x000f000f | 0x64006400 is fp16x2 (1024 + code) in one lop3, then one subtraction for two codes (3 shifts, 4
@@ -300,10 +304,14 @@ def _k_word_ptx(subnormal: bool) -> str:
     0x000f000f alone is fp16x2 (code x 2^-24, an exact fp16 subnormal): 3 shifts and 4 lop3, and the kernel scales
     the dots by 2^24 (SUBNORMAL_UNIT). Measured on an H100 (2026-12-07) its output is 1.1e-4 from v1's (the magic
     unpack's: within 1e-5), so its tensor-core products are not exact: within the tests' attention bound."""
-    lop = "and.b32 {d}, {s}, 0x000f000f;" if subnormal else "lop3.b32 {d}, {s}, 0x000f000f, 0x64006400, 0xea;"
-    out = ["{ .reg .b32 t, m; mov.b32 m, 0x64006400;", lop.format(d="$0", s="$4")]
-    for reg, shift in ((1, 8), (2, 4), (3, 12)):
-        out.append(f"shr.b32 t, $4, {shift}; " + lop.format(d=f"${reg}", s="t"))
+    lop = "and.b32 {d}, {s}, {k};" if subnormal else "lop3.b32 {d}, {s}, {k}, 0x64006400, 0xea;"
+    out = ["{ .reg .b32 t, m; mov.b32 m, 0x64006400;", lop.format(d="$0", s="$4", k="0x000f000f")]
+    if inplace:  # high nibbles masked where they lie (16 x code), one shift a word, not three
+        out += [lop.format(d="$2", s="$4", k="0x00f000f0"), "shr.b32 t, $4, 8;",
+                lop.format(d="$1", s="t", k="0x000f000f"), lop.format(d="$3", s="t", k="0x00f000f0")]
+    else:
+        for reg, shift in ((1, 8), (2, 4), (3, 12)):
+            out.append(f"shr.b32 t, $4, {shift}; " + lop.format(d=f"${reg}", s="t", k="0x000f000f"))
     if not subnormal:
         out.append("sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; sub.f16x2 $2, $2, m; sub.f16x2 $3, $3, m;")
     return " ".join(out) + " }"
@@ -313,26 +321,35 @@ K_WORD = gl.constexpr(_k_word_ptx(False))
 """_k_word_ptx: the magic-number unpack of a K code word."""
 K_WORD_SUB = gl.constexpr(_k_word_ptx(True))
 """_k_word_ptx: the subnormal unpack of a K code word (no subtraction; values are code x 2^-24)."""
+K_WORD_IP = gl.constexpr(_k_word_ptx(False, True))
+"""_k_word_ptx, in place: output 1 (the high nibbles) is 16 x code (v5's INPLACE)."""
+K_WORD_SUB_IP = gl.constexpr(_k_word_ptx(True, True))
+"""_k_word_ptx, subnormal and in place."""
 SUBNORMAL_UNIT = gl.constexpr(16777216.0)
 """2^24: a code unpacked as an fp16 subnormal stands for code x 2^-24, so dot products of such codes are 2^-24 of
 the true ones (far above fp32's smallest normal)."""
 
 
-def _v_word_ptx(subnormal: bool = False) -> str:
+def _v_word_ptx(subnormal: bool = False, inplace: bool = False) -> str:
     """Two tokens' V code words (t in $16, t + 1 in $17; 16 crumbs each) -> 32 fp16 as four outputs of 8 (pack 8:
     output c is $(4c) ... $(4c + 3)): byte-permute the words to [t.b0, t.b1, t1.b0, t1.b1] and [t.b2, t.b3,
     t1.b2, t1.b3], then (x >> s) & 0x00030003 | 0x64006400 is (token t, token t + 1) of one crumb as fp16x2 -
     the pair the P.V A operand holds in one register (its k is the token) - less 1024 (magic), or (x >> s) &
     0x00030003 alone, the codes x 2^-24 as fp16 subnormals (subnormal; see _k_word_ptx)."""
-    out = ["{ .reg .b32 lo, hi, t, m; mov.b32 m, 0x64006400; prmt.b32 lo, $16, $17, 0x5410; "
+    out = ["{ .reg .b32 lo, hi, lo8, hi8, t, m; mov.b32 m, 0x64006400; prmt.b32 lo, $16, $17, 0x5410; "
            "prmt.b32 hi, $16, $17, 0x7632;"]
+    if inplace:  # bytes 1 and 3 moved down by two more permutes; crumb c masked where it lies (4^c x code)
+        out.append("prmt.b32 lo8, $16, $17, 0x4501; prmt.b32 hi8, $16, $17, 0x6723;")
     for crumb in range(4):
         for k, (word, shift) in enumerate((("lo", 0), ("hi", 0), ("lo", 8), ("hi", 8))):
             reg, shift = 4 * crumb + k, shift + 2 * crumb
-            src = f"shr.b32 t, {word}, {shift}; " if shift else ""
-            arg = "t" if shift else word
-            out.append(f"{src}and.b32 ${reg}, {arg}, 0x00030003;" if subnormal else
-                       f"{src}lop3.b32 ${reg}, {arg}, 0x00030003, 0x64006400, 0xea; sub.f16x2 ${reg}, ${reg}, m;")
+            if inplace:
+                src, arg, mask = "", word + ("8" if shift >= 8 else ""), f"0x{0x00030003 << (2 * crumb):08x}"
+            else:
+                src, arg, mask = (f"shr.b32 t, {word}, {shift}; " if shift else ""), ("t" if shift else word), \
+                    "0x00030003"
+            out.append(f"{src}and.b32 ${reg}, {arg}, {mask};" if subnormal else
+                       f"{src}lop3.b32 ${reg}, {arg}, {mask}, 0x64006400, 0xea; sub.f16x2 ${reg}, ${reg}, m;")
     return " ".join(out) + " }"
 
 
@@ -340,15 +357,23 @@ V_WORDS = gl.constexpr(_v_word_ptx())
 """_v_word_ptx(): output c's register 2 T0 + B1 holds crumb c of byte 2 B1 + T0 of tokens (t, t + 1)."""
 V_WORDS_SUB = gl.constexpr(_v_word_ptx(True))
 """_v_word_ptx(subnormal=True): the same registers, codes x 2^-24."""
+V_WORDS_IP = gl.constexpr(_v_word_ptx(False, True))
+"""_v_word_ptx(inplace=True): output c is 4^c x code (v5's INPLACE)."""
+V_WORDS_SUB_IP = gl.constexpr(_v_word_ptx(True, True))
+"""_v_word_ptx, subnormal and in place."""
 
 
 @gluon.jit
-def _k_words(raw, q, dots, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.constexpr):
+def _k_words(raw, q, dots, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.constexpr, IP: gl.constexpr = False):
     """One 64-channel chunk of a 16-token K tile (raw: [16, 4 (a), 8 (byte)] in K_CHUNK) unpacked a word at a
     time (K_WORD, or K_WORD_SUB: SUB) and dotted with the query's hi (and, PRECISE, its lo) operand; channel map:
     _q_chunk's WORDS order."""
-    if SUB:
+    if SUB and IP:
+        asm: gl.constexpr = K_WORD_SUB_IP
+    elif SUB:
         asm: gl.constexpr = K_WORD_SUB
+    elif IP:
+        asm: gl.constexpr = K_WORD_IP
     else:
         asm: gl.constexpr = K_WORD
     lo, hi = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [raw], dtype=(gl.float16, gl.float16),
@@ -364,13 +389,15 @@ def _k_words(raw, q, dots, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.con
 
 
 @gluon.jit
-def _k_tile(ks, sl, q0, q1, q2, q3, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.constexpr):
+def _k_tile(ks, sl, q0, q1, q2, q3, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.constexpr,
+            IP: gl.constexpr = False):
     """A 16-token tile's raw dots [16, 8] from ring slot sl: four 64-channel chunks, one mma accumulator chain (two
     or four independent chains measured no faster on an H100, 2026-12-07)."""
-    d = _k_words(ks.index(sl * 4 + 0).load(K_CHUNK), q0, gl.zeros([16, 8], gl.float32, layout=MMA), A_L, PRECISE, SUB)
-    d = _k_words(ks.index(sl * 4 + 1).load(K_CHUNK), q1, d, A_L, PRECISE, SUB)
-    d = _k_words(ks.index(sl * 4 + 2).load(K_CHUNK), q2, d, A_L, PRECISE, SUB)
-    return _k_words(ks.index(sl * 4 + 3).load(K_CHUNK), q3, d, A_L, PRECISE, SUB)
+    d = _k_words(ks.index(sl * 4 + 0).load(K_CHUNK), q0, gl.zeros([16, 8], gl.float32, layout=MMA), A_L, PRECISE, SUB,
+                 IP)
+    d = _k_words(ks.index(sl * 4 + 1).load(K_CHUNK), q1, d, A_L, PRECISE, SUB, IP)
+    d = _k_words(ks.index(sl * 4 + 2).load(K_CHUNK), q2, d, A_L, PRECISE, SUB, IP)
+    return _k_words(ks.index(sl * 4 + 3).load(K_CHUNK), q3, d, A_L, PRECISE, SUB, IP)
 
 
 @gluon.jit
@@ -399,23 +426,28 @@ def _q_op(qs, c: gl.constexpr, B_L: gl.constexpr, PRECISE: gl.constexpr):
 
 @gluon.jit
 def _k_tile_q(ks, sl, qs, q0, q1, q2, q3, A_L: gl.constexpr, B_L: gl.constexpr, PRECISE: gl.constexpr,
-              SUB: gl.constexpr, QSMEM: gl.constexpr):
+              SUB: gl.constexpr, QSMEM: gl.constexpr, IP: gl.constexpr = False):
     """_k_tile with the query's operands from registers, or (QSMEM) read from shared memory for this tile."""
     if QSMEM:
         q0 = _q_op(qs, 0, B_L, PRECISE)
         q1 = _q_op(qs, 1, B_L, PRECISE)
         q2 = _q_op(qs, 2, B_L, PRECISE)
         q3 = _q_op(qs, 3, B_L, PRECISE)
-    return _k_tile(ks, sl, q0, q1, q2, q3, A_L, PRECISE, SUB)
+    return _k_tile(ks, sl, q0, q1, q2, q3, A_L, PRECISE, SUB, IP)
 
 
 @gluon.jit
-def _v_words(raw, p_hi, p_lo, acc, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.constexpr):
+def _v_words(raw, p_hi, p_lo, acc, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.constexpr,
+             IP: gl.constexpr = False):
     """One 128-channel half of a 16-token V tile (raw: [16 (T), 8 (x), 4 (byte)] in V_HALF) unpacked two tokens'
     words at a time (V_WORDS, or V_WORDS_SUB: SUB), accumulated with p's hi (and, PRECISE, its lo) operand into acc
     (rows R <-> channel 32 (R & 7) + 16 c + (R >> 3))."""
-    if SUB:
+    if SUB and IP:
+        asm: gl.constexpr = V_WORDS_SUB_IP
+    elif SUB:
         asm: gl.constexpr = V_WORDS_SUB
+    elif IP:
+        asm: gl.constexpr = V_WORDS_IP
     else:
         asm: gl.constexpr = V_WORDS
     c0, c1, c2, c3 = gl.inline_asm_elementwise(asm, "=r," * 16 + "r,r", [raw],
@@ -486,7 +518,7 @@ def _fill_ahead(ks, vs, ss, it, t0, base, base_n, u8_ptr, f16_ptr, kofs, vofs, s
 @gluon.jit
 def _pv_tile(ss, vs, sl, dots, amax, qsum, m_i, l_i, tprev, offacc, runit, acc0, acc1, hsel, SC_RD: gl.constexpr,
              ROWS16: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr, PRECISE_V: gl.constexpr, SUB: gl.constexpr,
-             LAZY: gl.constexpr):
+             LAZY: gl.constexpr, IP: gl.constexpr = False):
     """A tile's softmax step (its token scales from ring slot sl) and P.V (its V codes from the slot) on its raw
     dots: (m, l, the unit, the offsets' sum, acc0, acc1) after it. LAZY: one unit a group (runit), acc rescaled
     only where a row's running max rose (_softmax_tile_unit); else one unit a tile (_softmax_tile)."""
@@ -506,8 +538,8 @@ def _pv_tile(ss, vs, sl, dots, amax, qsum, m_i, l_i, tprev, offacc, runit, acc0,
                                                                offacc, B_L)
         acc0 = acc0 * f[None, :]
         acc1 = acc1 * f[None, :]
-    acc0 = _v_words(vs.index(sl * 2 + 0).load(V_HALF), p_hi, p_lo, acc0, A_L, PRECISE_V, SUB)
-    acc1 = _v_words(vs.index(sl * 2 + 1).load(V_HALF), p_hi, p_lo, acc1, A_L, PRECISE_V, SUB)
+    acc0 = _v_words(vs.index(sl * 2 + 0).load(V_HALF), p_hi, p_lo, acc0, A_L, PRECISE_V, SUB, IP)
+    acc1 = _v_words(vs.index(sl * 2 + 1).load(V_HALF), p_hi, p_lo, acc1, A_L, PRECISE_V, SUB, IP)
     return m_i, l_i, tprev, offacc, acc0, acc1
 
 
@@ -518,7 +550,8 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
                     HKV: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, T: gl.constexpr,
                     NSPLIT: gl.constexpr, STAGES: gl.constexpr, PRECISE_K: gl.constexpr = True,
                     PRECISE_V: gl.constexpr = True, SUB: gl.constexpr = False, LAZY: gl.constexpr = False,
-                    PREFETCH: gl.constexpr = False, SKEW: gl.constexpr = False, QSMEM: gl.constexpr = False):
+                    PREFETCH: gl.constexpr = False, SKEW: gl.constexpr = False, QSMEM: gl.constexpr = False,
+                    INPLACE: gl.constexpr = False):
     """v4's program (s, h, j) with every tile's codes and token scales copied STAGES - 1 tiles ahead into a ring
     of shared memory (cp.async), so no global load waits in the token loop; codes unpacked a word at a time.
     PRECISE_K / PRECISE_V: the query / p as fp16 hi + lo operands (two mma each, v1's precision) or hi alone.
@@ -529,7 +562,10 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     dots are computed before the previous tile's softmax and P.V, two independent chains in one step (needs STAGES
     >= 3: a slot is refilled only after its P.V). QSMEM: the query's operands live in shared memory, stored once a
     group and read by every tile (_q_ops), not in 32 or 64 registers a thread for the whole run: room for a register
-    cap that lets more programs share an SM."""
+    cap that lets more programs share an SM. INPLACE: codes masked where they lie in their word, not shifted down first
+    (_k_word_ptx / _v_word_ptx: one shift a K word, not three; two more permutes for two V words, not twelve shifts):
+    a K word's high nibbles come out 16 x code, folded into the query's low-nibble operands (x 16) and the dots' row
+    scale (/ 16); V crumb c comes out 4^c x code, the channel & 3 of acc's row, folded into acc at a group's ends."""
     gl.static_assert(D == 256, "v5's channel maps are for head_dim 256")
     gl.static_assert(QPK <= 8, "v5 holds a KV head's query rows in the mma's 8 columns")
     gl.static_assert(HKV == 4, "v5 reads a tile's token scales as [16 tokens, 4 heads]")
@@ -558,6 +594,8 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             + gl.arange(0, HKV, layout=gl.SliceLayout(0, SC_CP))[None, :])
     hsel = gl.arange(0, HKV, layout=gl.SliceLayout(0, SC_RD))[None, :] == h
     vch0, vch1, m_i, l_i, acc0, acc1 = _run_start(D, ROWS)
+    vf0 = gl.exp2(((vch0 & 3) * 2).to(gl.float32))     # INPLACE: 4^(crumb) of acc's rows
+    vf1 = gl.exp2(((vch1 & 3) * 2).to(gl.float32))
     ks = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, 16, 4, 8], RING)
     vs = gl.allocate_shared_memory(gl.uint8, [STAGES * 2, 16, 8, 4], RING)
     ss = gl.allocate_shared_memory(gl.float16, [STAGES * 4, 16, HKV], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -576,7 +614,11 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
         if PREFETCH:
             _prefetch_scales(u8_ptr + base_n, h, K_CS, V_CS, D)
         q0, q1, q2, q3, qsum, amax, vcs, acc0, acc1 = _group_open(f16_ptr, fb, h, qrow, qmask, kb, acc0, acc1,
-                                                                 vch0, vch1, K_CS, V_CS, D, ROWS, True)
+                                                                 vch0, vch1, K_CS, V_CS, D, ROWS, True, INPLACE)
+        if INPLACE:  # the dots come out 16 x (the query's low-nibble operands are); acc row R in units 4^-(vch & 3)
+            amax = amax * (1.0 / 16.0)
+            acc0 = acc0 * vf0[:, None]
+            acc1 = acc1 * vf1[:, None]
         if QSMEM:
             _q_park(qs, q0, q1, q2, q3)
         if SUB:  # the dots come out 2^-24 of the true ones, and P.V accumulates in units 2^-24 of acc's
@@ -598,7 +640,7 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             # independent chains the scheduler interleaves) and refills tile t - 1's slot only after its P.V
             async_copy.wait_group(STAGES - 2)
             sl = it % STAGES
-            dots = _k_tile_q(ks, sl, qs, q0, q1, q2, q3, A_L, B_L, PRECISE_K, SUB, QSMEM)
+            dots = _k_tile_q(ks, sl, qs, q0, q1, q2, q3, A_L, B_L, PRECISE_K, SUB, QSMEM, INPLACE)
             _fill_ahead(ks, vs, ss, it, 0, base, base_n, u8_ptr, f16_ptr, kofs, vofs, sofs, K_TS, K_TO, V_TS, V_TO,
                         HKV, D, T, STAGES)
             it += 1
@@ -606,17 +648,17 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
                 async_copy.wait_group(STAGES - 2)
                 sp = sl
                 sl = it % STAGES
-                dots_n = _k_tile_q(ks, sl, qs, q0, q1, q2, q3, A_L, B_L, PRECISE_K, SUB, QSMEM)
+                dots_n = _k_tile_q(ks, sl, qs, q0, q1, q2, q3, A_L, B_L, PRECISE_K, SUB, QSMEM, INPLACE)
                 m_i, l_i, tprev, offacc, acc0, acc1 = _pv_tile(ss, vs, sp, dots, amax, qsum, m_i, l_i, tprev, offacc,
                                                                runit, acc0, acc1, hsel, SC_RD, ROWS16, A_L, B_L,
-                                                               PRECISE_V, SUB, LAZY)
+                                                               PRECISE_V, SUB, LAZY, INPLACE)
                 dots = dots_n
                 _fill_ahead(ks, vs, ss, it, t0, base, base_n, u8_ptr, f16_ptr, kofs, vofs, sofs, K_TS, K_TO, V_TS,
                             V_TO, HKV, D, T, STAGES)
                 it += 1
             m_i, l_i, tprev, offacc, acc0, acc1 = _pv_tile(ss, vs, sl, dots, amax, qsum, m_i, l_i, tprev, offacc,
                                                            runit, acc0, acc1, hsel, SC_RD, ROWS16, A_L, B_L,
-                                                           PRECISE_V, SUB, LAZY)
+                                                           PRECISE_V, SUB, LAZY, INPLACE)
         else:
             for t0 in range(0, T, 16):
                 # tile it + STAGES - 1 (this group's or the next one's) into the slot tile it - 1 was read from
@@ -624,14 +666,17 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
                             V_TO, HKV, D, T, STAGES)
                 async_copy.wait_group(STAGES - 1)        # tile it has landed
                 sl = it % STAGES
-                dots = _k_tile_q(ks, sl, qs, q0, q1, q2, q3, A_L, B_L, PRECISE_K, SUB, QSMEM)
+                dots = _k_tile_q(ks, sl, qs, q0, q1, q2, q3, A_L, B_L, PRECISE_K, SUB, QSMEM, INPLACE)
                 m_i, l_i, tprev, offacc, acc0, acc1 = _pv_tile(ss, vs, sl, dots, amax, qsum, m_i, l_i, tprev, offacc,
                                                                runit, acc0, acc1, hsel, SC_RD, ROWS16, A_L, B_L,
-                                                               PRECISE_V, SUB, LAZY)
+                                                               PRECISE_V, SUB, LAZY, INPLACE)
                 it += 1
         if SUB:
             acc0 = acc0 * SUBNORMAL_UNIT
             acc1 = acc1 * SUBNORMAL_UNIT
+        if INPLACE:
+            acc0 = acc0 * (1.0 / vf0)[:, None]
+            acc1 = acc1 * (1.0 / vf1)[:, None]
         acc0, acc1 = _group_close(vcs, acc0, acc1, vch0, vch1, offacc, tprev)
         base = base_n
     async_copy.wait_group(0)

@@ -786,6 +786,8 @@ V5_PREFETCH = False
 """v5's ``prefetch`` when the caller gives none."""
 V5_SKEW = False
 """v5's ``skew`` when the caller gives none."""
+V5_INPLACE = False
+"""v5's ``inplace`` when the caller gives none."""
 V5_QSMEM = None
 """v5's ``qsmem`` when the caller gives none; None: wherever parking the query costs no resident program
 (_qsmem_default: on an sm90 SM, not on an sm86 one)."""
@@ -855,7 +857,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                      stages: int | None = None, unpack: str = DEFAULT_UNPACK,
                      maxnreg: int | None = None, lazy: bool | None = None,
                      prefetch: bool | None = None, skew: bool | None = None,
-                     qsmem: bool | None = None) -> torch.Tensor:
+                     qsmem: bool | None = None, inplace: bool | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
 
     q [S, HQ, D]; block_table int32 [S, >= max_groups] (page of each full group); n_groups, tail_len
@@ -872,7 +874,9 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     maxnreg, precise, ``lazy``: one V unit a group, so the accumulator is rescaled only where a row's running max
     rose, ``prefetch``: the next group's channel scales asked into L1 at a group's start, ``skew``: a tile's
     dots before the previous tile's softmax and P.V, which needs a ring of 3 or more (its default then), and
-    ``qsmem``: the query's operands in shared memory, read by each tile, not held in registers),
+    ``qsmem``: the query's operands in shared memory, read by each tile, not held in registers, and ``inplace``: codes
+    masked where they lie in their word, not shifted down, the scale that leaves folded into the query and the
+    accumulator),
     "v4" (kvarn_gluon.decode_split_v4, a Gluon kernel: codes straight from global memory into
     tensor-core operands, one warp a program, no shared memory; compiled CUDA only, ``unpack`` "magic" or
     "ptx", no other knob but splits), "v3" (the default without Gluon; _decode_split_kernel_v3: codes read as stored,
@@ -910,7 +914,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                          "by 'magic', 'ptx' or 'cvt'")
     if precise not in PRECISE:
         raise ValueError(f"precise {precise!r}: one of {PRECISE} (which operands are fp16 hi + lo)")
-    for knob, value in (("lazy", lazy), ("prefetch", prefetch), ("skew", skew), ("qsmem", qsmem)):
+    for knob, value in (("lazy", lazy), ("prefetch", prefetch), ("skew", skew), ("qsmem", qsmem),
+                        ("inplace", inplace)):
         if value is not None and variant != "v5":
             raise ValueError(f"{knob} {value} is a v5 knob; variant {variant!r} has no such choice (leave {knob} out)")
     if variant in ("v4", "v5"):
@@ -960,7 +965,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
             kw.update(PRECISE_K="k" in precise, PRECISE_V="v" in precise, SUB=unpack == "subnormal",
                       LAZY=V5_LAZY if lazy is None else bool(lazy),
                       PREFETCH=V5_PREFETCH if prefetch is None else bool(prefetch), SKEW=skewed,
-                      QSMEM=qsmem)
+                      QSMEM=qsmem, INPLACE=V5_INPLACE if inplace is None else bool(inplace))
             del kw["BLOCK_G"], kw["BLOCK_T"]
         if stages is not None:
             kw["num_stages"] = stages
