@@ -755,6 +755,15 @@ eight-warp programs an SM, at most 64). On an H100 at 8 x 32k (CUDA-graph replay
 wave, 253.4 us; 48 and 96, a part-filled second wave, 327.4 and 323.2 us; 64 (two waves) 285.9 us."""
 
 
+@functools.cache
+def _sm_shared(device: torch.device) -> int:
+    """An SM's shared memory in bytes as torch reports it (0 off CUDA or where it does not): memoized, as
+    decode_attention asks on every call and eager decode is host-bound (docs/kvarn.md)."""
+    if device.type != "cuda":
+        return 0
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 0)
+
+
 def _resident(device: torch.device, maxnreg: int | None, stages: int, qsmem: bool = False) -> int:
     """How many one-warp v4 / v5 programs an SM holds at once: by registers, 4 times what one of the SM's four
     schedulers holds (each has its own 16,384 registers; a warp takes 32 x the kernel's registers, maxnreg or the 255
@@ -765,8 +774,7 @@ def _resident(device: torch.device, maxnreg: int | None, stages: int, qsmem: boo
     33 splits 282 us), 168 makes it 12, 128 16; an sm86 SM's 100 KiB holds 6 programs with the query parked
     (qsmem), an sm90 SM's 228 KiB 13."""
     regs = 4 * (16384 // (32 * -(-(maxnreg or 255) // 8) * 8))
-    smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 0) \
-        if device.type == "cuda" and stages else 0
+    smem = _sm_shared(device) if stages else 0
     return max(1, min(regs, smem // (stages * 3584 + 1024 + 8192 * qsmem)) if smem else regs)
 
 
