@@ -352,7 +352,9 @@ DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"vari
                    pytest.param({"variant": "v5", "qsmem": False}, id="v5-no-qsmem"),
                    pytest.param({"variant": "v5", "inplace": True}, id="v5-inplace"),
                    pytest.param({"variant": "v5", "inplace": True, "unpack": "subnormal", "precise": "k", "lazy": True,
-                                 "prefetch": True}, id="v5-inplace-subnormal-k-lazy-prefetch")]
+                                 "prefetch": True}, id="v5-inplace-subnormal-k-lazy-prefetch"),
+                   pytest.param({"variant": "v6"}, id="v6"), pytest.param({"variant": "v6", "precise": "k"},
+                                                                          id="v6-precise-k")]
 """decode_attention's split kernels (and their knobs) that every decode check runs (v5 is the default on a GPU, v3
 elsewhere: test_the_default_decode_kernel_is_v5_on_a_gpu_and_v3_elsewhere); the first four are four kernels at their
 defaults. unpack "ptx" (inline PTX), v4 and v5 (Gluon): compiled (CUDA) runs only."""
@@ -360,9 +362,9 @@ defaults. unpack "ptx" (inline PTX), v4 and v5 (Gluon): compiled (CUDA) runs onl
 
 def _skip_in_interpreter(device: str, variant: dict) -> None:
     """The interpreter runs neither inline PTX nor Gluon (decode_attention refuses both on CPU tensors, checked
-    below); the CPU suite compiles v4 and v5 instead
+    below); the CPU suite compiles v4, v5 and v6 instead
     (test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_with_its_ring)."""
-    if device == "cpu" and (variant.get("unpack") == "ptx" or variant.get("variant") in ("v4", "v5")):
+    if device == "cpu" and (variant.get("unpack") == "ptx" or variant.get("variant") in ("v4", "v5", "v6")):
         pytest.skip(f"{variant}: inline PTX / Gluon, which Triton's interpreter cannot run (compiled CUDA runs "
                     "check it)")
 
@@ -406,6 +408,7 @@ def test_v5_resident_programs_and_where_it_parks_the_query(dev):
     if device == "cpu":
         assert [kt._resident(d, r, 2) for r in (None, 232, 200, 176, 168, 128)] == [8, 8, 8, 8, 12, 16]
         assert kt._resident(d, None, 2, True) == 8
+        assert [kt._resident(d, r, 2, warps=2) for r in (168, 128)] == [6, 8]   # v6: two-warp programs
         return
     smem = torch.cuda.get_device_properties(d).shared_memory_per_multiprocessor
     assert kt._resident(d, None, 2) == min(8, smem // 8192)
@@ -427,7 +430,7 @@ def test_decode_negative_control_reader_without_rotation_fails(dev, variant):
     assert rel > 100 * DECODE_BOUND, f"unrotated read passed ({rel}): the check would not catch it, seed {seed}"
 
 
-@pytest.mark.parametrize("variant", [*DECODE_VARIANTS[:5], GLUON_V5])
+@pytest.mark.parametrize("variant", [*DECODE_VARIANTS[:5], GLUON_V5, pytest.param({"variant": "v6"}, id="v6")])
 def test_decode_plain_rtn_layout(dev, variant):
     """The baseline layout (no rotation, channel scales 1) read with rotated=False matches its reference."""
     kt, device = dev
@@ -464,7 +467,8 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                   {"variant": "v5", "skew": True}, {"variant": "v5", "skew": True, "splits": 3, "stages": 9},
                   {"variant": "v5", "skew": True, "lazy": True, "splits": 1}, {"variant": "v5", "qsmem": True},
                   {"variant": "v5", "qsmem": True, "maxnreg": 128, "splits": 3}, {"variant": "v5", "inplace": True},
-                  {"variant": "v5", "inplace": True, "qsmem": False, "lazy": True, "splits": 3}]
+                  {"variant": "v5", "inplace": True, "qsmem": False, "lazy": True, "splits": 3}, {"variant": "v6"},
+                  {"variant": "v6", "splits": 3, "stages": 9}, {"variant": "v6", "maxnreg": 255, "splits": 1}]
                  if device == "cuda" else [])):
         got = cache.decode(q, **{"variant": "v2", **kw}).float()
         rel = ((got - v1).norm() / v1.norm()).item()
@@ -476,8 +480,10 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                       ({"variant": "v3", "prefetch": True}, "v5 knob"),
                       ({"variant": "v2", "lazy": True}, "v5 knob"), ({"variant": "v3", "unpack": "subnormal"}, "v5's"),
                       ({"variant": "v4", "qsmem": True}, "v5 knob"), ({"variant": "v3", "inplace": True}, "v5 knob"),
+                      ({"variant": "v6", "lazy": True}, "v5 knob"),
+                      ({"variant": "v6", "unpack": "subnormal"}, "its own way"),
                       *([({"unpack": "ptx"}, "CUDA tensors only"), ({"variant": "v4"}, "CUDA only"),
-                         ({"variant": "v5"}, "CUDA only")]
+                         ({"variant": "v5"}, "CUDA only"), ({"variant": "v6"}, "CUDA only")]
                         if device == "cpu" else
                         [({"variant": "v4", "block_t": 32}, "one tiling"), ({"variant": "v4", "precise": "k"},
                                                                              "one tiling"),
@@ -487,7 +493,9 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                          ({"variant": "v5", "stages": 10}, "2 ... 9"), ({"variant": "v5", "unpack": "ptx"}, "own PTX"),
                          ({"variant": "v5", "num_warps": 4}, "one tiling"),
                          ({"variant": "v4", "unpack": "subnormal"}, "v5's"),
-                         ({"variant": "v5", "skew": True, "stages": 2}, "3 or more")])):
+                         ({"variant": "v5", "skew": True, "stages": 2}, "3 or more"),
+                         ({"variant": "v6", "num_warps": 1}, "2 warps"),
+                         ({"variant": "v6", "stages": 10}, "2 ... 9")])):
         with pytest.raises(ValueError, match=name):
             cache.decode(q, **bad)
 
@@ -503,7 +511,7 @@ def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_wit
     script's --json rows carry ptxas's figures as numbers."""
     script = KERNEL_DIR.parents[1] / "bench" / "scripts" / "kvarn_compile_check.py"
     rows = {}
-    for i, only in enumerate(("split v4", "split v5", "v3 t128 w8 s1 kv magic")):
+    for i, only in enumerate(("split v4", "split v5", "split v6", "v3 t128 w8 s1 kv magic")):
         out = tmp_path / f"check{i}.json"
         run = subprocess.run([sys.executable, str(script), "--arch", "86,90", "--only", only, "--json", str(out)],
                              capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
@@ -514,7 +522,8 @@ def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_wit
     names = {name for name, _ in rows}
     assert {"decode split v3 t128 w8 s1 kv magic", "decode split v4 magic", "decode split v4 ptx",
             "decode split v5 s2", "decode split v5 s4", "decode split v5 s2 k", "decode split v5 s2 sub",
-            "decode split v5 s3 skew", "decode split v5 s2 qs", "decode split v5 s2 qs ip"} <= names, sorted(names)
+            "decode split v5 s3 skew", "decode split v5 s2 qs", "decode split v5 s2 qs ip", "decode split v6 s2",
+            "decode split v6 s2 nocap"} <= names, sorted(names)
     assert len(rows) == 2 * len(names), sorted(rows)
     for (name, arch), row in rows.items():
         assert not row["error"] and row["registers"] > 0 and row["fits"], f"{name} {arch} did not compile: {row}"
@@ -524,6 +533,10 @@ def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_wit
             stages, qsmem = int(name.split()[3].removeprefix("s")), "qs" in name.split()
             ring = stages * (2048 + 1024 + 512) + qsmem * 4 * 2 * 64 * 8 * 2   # qs: 4 chunks, hi + lo, [64, 8] fp16
             assert row["shared_bytes"] == ring and row["barriers"] == 1, (name, arch, row)
+        if name.startswith("decode split v6"):   # the ring, and 1 KiB its two warps sum their partial scores through
+            stages = int(name.split()[3].removeprefix("s"))
+            assert row["shared_bytes"] == stages * (2048 + 1024 + 512) + 1024 and row["barriers"] == 1, (name, row)
+            assert row.get("spill_stores", 0) == 0, f"{name} {arch} spills under its cap: {row}"
 
 
 @pytest.mark.skipif(CHILD, reason="runs once, in the parent process")
@@ -725,7 +738,7 @@ def test_chunk_attention_over_a_long_context_gpu(score_mib, monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", [*DECODE_VARIANTS[:5], GLUON_V5])
+@pytest.mark.parametrize("variant", [*DECODE_VARIANTS[:5], GLUON_V5, pytest.param({"variant": "v6"}, id="v6")])
 @pytest.mark.parametrize("length", [8192, 32768])
 def test_decode_gpu_scale_eight_sequences(length, variant):
     """8 sequences of ~length tokens (ragged), fp16 query, default splits: vs fp32 attention over the kernel's

@@ -130,14 +130,14 @@ step_kvdecode() {
   # shellcheck disable=SC2086  # SWEEP_ARGS is a word list
   "$PY" bench/scripts/kvarn_decode_sweep.py ${SWEEP_ARGS:---only 3,29,35,36,37 --lengths 8192,32768} 2>&1 \
     | tee "$OUT/kvarn_sweep.txt" | tail -25
-  "$PY" -m pytest -q -m gpu tests/test_kvarn_kernels.py -k "(decode and (v5 or match_v1)) or long_context_gpu" \
+  "$PY" -m pytest -q -m gpu tests/test_kvarn_kernels.py -k "(decode and (v5 or v6 or match_v1)) or long_context_gpu" \
     -rA -p no:cacheprovider 2>&1 | tee "$OUT/kvdecode-pytest.log" | tail -15
   "$PY" bench/scripts/kvarn_chunk_bench.py --json "$OUT/kvarn_chunk.json" 2>&1 | tee "$OUT/kvarn_chunk.txt" | tail -12
 }
 
 step_ncu() {
   stamp "ncu (the decode sweep's configs ${NCU_ONLY:-35} at 8 x 32k, one launch each)"
-  local ncu idx
+  local ncu idx bad=0
   ncu=${NCU-$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)}
   [ -n "$ncu" ] && [ -x "$ncu" ] || { echo "ncu: not found on this host (NCU, PATH, /usr/local/cuda*/bin)"; return 1; }
   for idx in ${NCU_ONLY:-35}; do
@@ -145,8 +145,12 @@ step_ncu() {
       "$PY" bench/scripts/kvarn_decode_sweep.py --only "$idx" --lengths 32768 --profile > "$OUT/ncu-$idx.log" 2>&1
     "$ncu" -i "$OUT/ncu-$idx.ncu-rep" --page details > "$OUT/ncu-$idx-details.txt" 2>&1
     "$ncu" -i "$OUT/ncu-$idx.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-$idx-sass.csv" 2>&1
-    "$PY" bench/scripts/ncu_regions.py "$OUT/ncu-$idx-sass.csv" --least "${NCU_LEAST:-64}" 2>&1 | tee "$OUT/ncu-$idx-regions.txt" | head -12
+    # to the file, then its head: `tee | head` under pipefail fails the step (SIGPIPE, 141) when head exits first
+    "$PY" bench/scripts/ncu_regions.py "$OUT/ncu-$idx-sass.csv" --least "${NCU_LEAST:-64}" > "$OUT/ncu-$idx-regions.txt" 2>&1 \
+      || bad=1
+    head -12 "$OUT/ncu-$idx-regions.txt"
   done
+  return "$bad"
 }
 
 step_tier() {

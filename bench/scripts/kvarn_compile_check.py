@@ -57,6 +57,16 @@ V5_CASES = [(2, "kv", 0, 0, 0, 0, 0, 0), (4, "kv", 0, 0, 0, 0, 0, 0), (4, "kv", 
 the query in shared memory[, the in-place unpack])."""
 
 
+V6_CASES = [(2, "kv", 168), (2, "kv", 0), (2, "k", 168), (2, "kv", 128), (3, "kv", 168)]
+"""v6 split kernels checked: (stages, precise, maxnreg: 168 is its default, labelled by none; 0: no cap, "nocap")."""
+
+
+def v6_label(stages: int, precise: str, reg: int) -> str:
+    """A v6 row's name: its ring, precise away from "kv" and its register cap away from the default (168)."""
+    cap = "" if reg == 168 else " nocap" if not reg else f" r{reg}"
+    return f"decode split v6 s{stages}" + (f" {precise or 'fp16'}" if precise != "kv" else "") + cap
+
+
 def v5_suffix(precise: str, sub: int, lazy: int, prefetch: int, skew: int, qsmem: int = 0, inplace: int = 0) -> str:
     """A v5 label's knobs away from the default: precise ("k", "v", "fp16" for neither), the subnormal unpack
     ("sub"), the lazy rescale ("lazy"), the scales' prefetch ("pf"), the skewed loop ("skew"), the query in
@@ -109,6 +119,10 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
                 INPLACE=bool(ip)),
            {"num_warps": 1, **({"maxnreg": reg} if reg else {})})
           for st, pk, reg, sub, lazy, pf, sk, qs, ip in ((*c, 0)[:9] for c in V5_CASES)],
+        *[(v6_label(st, pk, reg), kt._load_gluon().decode_split_v6, split,
+           dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=64, STAGES=st, PRECISE_K="k" in pk, PRECISE_V="v" in pk),
+           {"num_warps": 2, **({"maxnreg": reg} if reg else {})})
+          for st, pk, reg in V6_CASES],
         ("decode combine", kt._decode_combine_kernel, combine, dict(HKV=4, QPK=6, D=256, T=128, NSPLIT=33,
                                                                    NSPLIT_P2=64, TAIL_T=16, TAIL_ROWS=True,
                                                                    ROTATED=True, BN=32),

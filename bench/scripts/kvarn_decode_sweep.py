@@ -72,8 +72,11 @@ CONFIGS = [BASELINE] + [
         {"qsmem": True, "maxnreg": 168, "splits": 33}, {"inplace": True}, {"inplace": True, "precise": "k"},
         {"inplace": True, "unpack": "subnormal", "precise": "k", "lazy": True, "prefetch": True},
         {"inplace": True, "unpack": "subnormal", "precise": "", "lazy": True})
+] + [
+    {"variant": "v6", **kw} for kw in (
+        {}, {"precise": "k"}, {"stages": 3}, {"maxnreg": 255}, {"maxnreg": 128}, {"splits": 33})
 ]
-"""91 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
+"""97 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
 were slower there), and v3 (codes read as stored, K's as the large dot operand) at its defaults (block_t 128,
 8 warps, 1 stage, "magic" unpack, precise "kv") and one or two knobs changed at a time: stages 3 is Triton's
 default pipelining; unpack "ptx" the magic number four codes at a time in inline PTX; maxnreg 128 two 8-warp
@@ -90,7 +93,9 @@ wave) and the skewed loop (a tile's dots before the previous tile's softmax and 
 register cap spills less), alone, under caps of 168 and 128, with hi-only operands, the subnormal unpack and
 deeper rings, caps of 200; (79) v5 without it, qsmem's default on an sm90 GPU since 2026-12-07 (night); (84-86)
 caps of 200 / 168 at one wave of 8 programs an SM (33 splits) and two (66), against the split count the cap implies;
-(87-90) the in-place unpack (codes masked where they lie: 72 fewer shifts a tile), with qsmem.
+(87-90) the in-place unpack (codes masked where they lie: 72 fewer shifts a tile), with qsmem; (91-96) v6 (v5 on two
+warps a program, half the channels each) at its defaults (cap 168: 6 programs an SM), precise "k", a ring of 3,
+no cap (255: 4 programs), a cap of 128 (8, with spills) and 33 splits.
 precise "kv" is v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
 SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
 
@@ -121,7 +126,7 @@ def main() -> int:
                                                          "step under CUDA graphs pays it) instead of eager calls")
     ap.add_argument("--kernels", action="store_true", help="also list the best config's CUDA kernels and their time "
                                                            "at the key length (torch profiler)")
-    ap.add_argument("--only", default="", help="comma-separated: variants (v1 ... v5: all their configs) and numbers "
+    ap.add_argument("--only", default="", help="comma-separated: variants (v1 ... v6: all their configs) and numbers "
                                                "N (CONFIGS[N], e.g. one kernel under a profiler); default all")
     ap.add_argument("--profile", action="store_true", help="launch each picked config once at each length and nothing "
                                                             "else (no SDPA, no v1 reference, no timing): what a "
@@ -131,7 +136,7 @@ def main() -> int:
     configs = [c for i, c in enumerate(CONFIGS) if not picks or c["variant"] in picks or str(i) in picks]
     known = {c["variant"] for c in CONFIGS} | {str(i) for i in range(len(CONFIGS))}
     if not configs or any(x not in known for x in picks):
-        print(f"--only {a.only}: no such config; variants (v1 ... v5) or an index below {len(CONFIGS)}",
+        print(f"--only {a.only}: no such config; variants (v1 ... v6) or an index below {len(CONFIGS)}",
               file=sys.stderr)
         return 2
     if a.smoke:

@@ -33,6 +33,13 @@ next group's page near a group's end), so no global load waits in the token loop
 the code bytes it later reads, so only the scales (read by other lanes) need the compiler's one barrier a
 tile. It unpacks a 32-bit code word at a time (K_WORD, V_WORDS), with the channel maps that order implies.
 
+v6 (decode_split_v6) is v5 on two warps a program that split the channels: warp w dots K chunks 2 w and 2 w + 1
+with its half of the query and accumulates V half w, the tile's two partial scores summed through shared memory (a
+rank-3 mma with the warps along the batch dimension), both warps running the same softmax step. Each warp holds
+half of v5's accumulator and query operands (ptxas: 223 registers uncapped, none spilled at a cap of 168 on sm86 and
+sm90, where v5 needs 255): an Nsight Compute profile put v5's time in warps waiting on their own dependency chains
+at 8 warps an SM, and v6 aims at 12 or more.
+
 kvarn_triton loads this file and sets ``unpack_asm`` (its four-codes-at-a-time PTX by (shift, mask)) before
 running it, so v3 and v4 unpack with the same instructions. Written for this repo; no code was copied.
 """
@@ -682,3 +689,201 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     async_copy.wait_group(0)
     _store_split(o_ptr, ml_ptr, acc0, acc1, m_i, l_i, vch0, vch1, (s * HQ + h * QPK) * NSPLIT + j, QPK, NSPLIT, D,
                  ROWS)
+
+
+# ------------------------------------------------------------------ v6: v5 on two warps, half the channels each
+
+MMA3 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 1, 1], instr_shape=[1, 16, 8]))
+"""Two warps' mma.m16n8k16 accumulators, warp w along dim 0: partial scores S^T [w, 16 tokens, 8 rows] (warp w's
+two K chunks) and acc [w, 128 channels, 8 rows] (V half w)."""
+K_CHUNK3 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 8, 0, 0]],
+    lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+    warp_bases=[[1, 0, 0, 0]], block_bases=[], shape=[2, 16, 4, 8]))
+"""K_CHUNK with warp w holding chunk 2 w + i (i: the ring entry)."""
+V_HALF3 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 8, 0, 0]],
+    lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
+    warp_bases=[[1, 0, 0, 0]], block_bases=[], shape=[2, 16, 8, 4]))
+"""V_HALF with warp w holding V half w."""
+
+
+@gluon.jit
+def _k_words3(raw, q, dots, A3: gl.constexpr, PRECISE: gl.constexpr):
+    """_k_words on both warps' chunks at once (raw [2, 16, 4, 8] in K_CHUNK3; q: (hi, lo) [2, 64, 8])."""
+    lo, hi = gl.inline_asm_elementwise(K_WORD, "=r,=r,=r,=r,r", [raw], dtype=(gl.float16, gl.float16),
+                                       is_pure=True, pack=4)
+    a = gl.join(lo, hi).reshape([2, 16, 4, 2, 2, 2, 2]).permute([0, 1, 6, 3, 4, 2, 5]).reshape([2, 16, 64])
+    a = gl.convert_layout(a, A3, assert_trivial=True)
+    q_hi, q_lo = q
+    dots = mma_v2(a, q_hi, dots)
+    if PRECISE:
+        dots = mma_v2(a, q_lo, dots)
+    return dots
+
+
+@gluon.jit
+def _v_words3(raw, p_hi, p_lo, acc, A3: gl.constexpr, PRECISE: gl.constexpr):
+    """_v_words on both warps' V halves at once (raw [2, 16, 8, 4] in V_HALF3; p: [2, 16, 8], the same in both)."""
+    c0, c1, c2, c3 = gl.inline_asm_elementwise(V_WORDS, "=r," * 16 + "r,r", [raw],
+                                               dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+                                               is_pure=True, pack=8)
+    v = gl.join(gl.join(c0, c1), gl.join(c2, c3)).reshape([2, 8, 2, 8, 2, 2, 2, 2])
+    av = gl.convert_layout(v.permute([0, 4, 2, 7, 6, 3, 1, 5]).reshape([2, 128, 16]), A3, assert_trivial=True)
+    acc = mma_v2(av, p_hi, acc)
+    if PRECISE:
+        acc = mma_v2(av, p_lo, acc)
+    return acc
+
+
+@gluon.jit
+def _q_chunk3(qrow, qmask, kcs, kb, w, PART: gl.constexpr):
+    """Warp w's chunk 2 w + PART of the query ([2, 64, 8]), in v5's word order, times the group's K channel scales."""
+    k = kb
+    kch = 64 * ((k >> 1) & 3) + 16 * (2 * w + PART) + 8 * ((k >> 4) & 1) + 2 * ((k >> 3) & 1) + 4 * (k & 1) + (k >> 5)
+    return gl.load(qrow + kch, mask=qmask, other=0.0) * gl.load(kcs + kch).to(gl.float32)
+
+
+@gluon.jit
+def _query3(qrow, qmask, kcs, kb, w, S_L: gl.constexpr):
+    """_query for two warps: each its two chunks as (hi, lo) B operands [2, 64, 8], with the rows' sums and largest
+    |values| over all 256 channels in the scores' row layout S_L."""
+    c0 = _q_chunk3(qrow, qmask, kcs, kb, w, 0)
+    c1 = _q_chunk3(qrow, qmask, kcs, kb, w, 1)
+    qsum = gl.sum(gl.sum(c0, axis=1) + gl.sum(c1, axis=1), axis=0)
+    amax = gl.max(gl.maximum(gl.max(gl.abs(c0), axis=1), gl.max(gl.abs(c1), axis=1)), axis=0)
+    amax = gl.where(amax > 0, amax, 1.0)
+    r = gl.expand_dims(gl.expand_dims(1.0 / amax, 0), 1)
+    return _split16(c0 * r), _split16(c1 * r), gl.convert_layout(qsum, S_L), gl.convert_layout(amax, S_L)
+
+
+@gluon.jit
+def _rows3(x):
+    """A [8] row vector (the scores' row layout) as [1, 1, 8], to scale acc [2, 128, 8]."""
+    return gl.expand_dims(gl.expand_dims(x, 0), 0)
+
+
+@gluon.jit
+def decode_split_v6(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_ptr, ml_ptr, page_bytes, gps,
+                    K_CODES: gl.constexpr, K_TS: gl.constexpr, K_TO: gl.constexpr, K_CS: gl.constexpr,
+                    V_CODES: gl.constexpr, V_TS: gl.constexpr, V_TO: gl.constexpr, V_CS: gl.constexpr,
+                    HKV: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, T: gl.constexpr,
+                    NSPLIT: gl.constexpr, STAGES: gl.constexpr, PRECISE_K: gl.constexpr = True,
+                    PRECISE_V: gl.constexpr = True):
+    """v5's program (s, h, j) on two warps that split the channels: warp w dots its two K chunks (2 w, 2 w + 1) with
+    its half of the query, the two partial scores of a tile are summed (through shared memory), both warps run the
+    same softmax step, and warp w accumulates V half w. Each warp holds half of v5's accumulator (32 registers, not
+    64) and of the query's operands: aimed at more warps an SM than v5's 8 (docs/kvarn.md). Launch with 2 warps."""
+    gl.static_assert(D == 256, "v6's channel maps are for head_dim 256")
+    gl.static_assert(QPK <= 8, "v6 holds a KV head's query rows in the mma's 8 columns")
+    gl.static_assert(HKV == 4, "v6 reads a tile's token scales as [16 tokens, 4 heads]")
+    gl.static_assert(STAGES >= 2 and STAGES <= T // 16 + 1, "the ring looks ahead at most one group")
+    A3: gl.constexpr = gl.DotOperandLayout(0, MMA3, 2)
+    B3: gl.constexpr = gl.DotOperandLayout(1, MMA3, 2)
+    S2: gl.constexpr = gl.SliceLayout(0, MMA3)
+    ROWS: gl.constexpr = gl.SliceLayout(0, S2)
+    ROWS16: gl.constexpr = gl.SliceLayout(1, S2)
+    HQ: gl.constexpr = HKV * QPK
+    RING: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+    SC_CP: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [2, 1], [1, 0])
+    SC_RD: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]], warp_bases=[[0, 0]],
+        block_bases=[], shape=[16, 4])
+    s = gl.program_id(0)
+    h = gl.program_id(1)
+    j = gl.program_id(2)
+    g0 = j * gps
+    g1 = gl.minimum(g0 + gps, gl.load(ngroups_ptr + s))
+    # the query's operand index: warp w, logical k, row n ([2, 64, 8] in B3)
+    wq = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, B3)))[:, None, None]
+    kb = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, B3)))[None, :, None]
+    nb = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, B3)))[None, None, :]
+    qrow = qr_ptr + (s * HQ + h * QPK + nb).to(gl.int64) * D
+    qmask = nb < QPK
+    # code offsets: warp w copies (and reads) K chunks 2 w, 2 w + 1 and V half w
+    wk = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, K_CHUNK3))))[:, None, None, None]
+    tk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, K_CHUNK3))))[None, :, None, None]
+    ak = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, K_CHUNK3))))[None, None, :, None]
+    ck = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K_CHUNK3))))[None, None, None, :]
+    kofs = K_CODES + (tk * HKV + h) * (D // 2) + 32 * ak + 16 * wk + ck
+    wv = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, V_HALF3))))[:, None, None, None]
+    tv = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, V_HALF3))))[None, :, None, None]
+    xv = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, V_HALF3))))[None, None, :, None]
+    yv = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V_HALF3))))[None, None, None, :]
+    vofs = V_CODES + (tv * HKV + h) * (D // 4) + 8 * xv + 4 * wv + yv
+    sofs = (gl.arange(0, 16, layout=gl.SliceLayout(1, SC_CP))[:, None] * HKV
+            + gl.arange(0, HKV, layout=gl.SliceLayout(0, SC_CP))[None, :])
+    hsel = gl.arange(0, HKV, layout=gl.SliceLayout(0, SC_RD))[None, :] == h
+    # acc's rows: warp w's V half, row R <-> channel 32 (R & 7) + 16 w + (R >> 3)
+    ACC_R: gl.constexpr = gl.SliceLayout(2, MMA3)
+    rv = gl.arange(0, D // 2, layout=gl.SliceLayout(0, ACC_R))[None, :]
+    vch = ((rv & 7) << 5) + (rv >> 3) + 16 * gl.arange(0, 2, layout=gl.SliceLayout(1, ACC_R))[:, None]
+    m_i = gl.full([8], float("-inf"), gl.float32, layout=ROWS)
+    l_i = gl.zeros([8], gl.float32, layout=ROWS)
+    acc = gl.zeros([2, D // 2, 8], gl.float32, layout=MMA3)
+    ks = gl.allocate_shared_memory(gl.uint8, [STAGES * 2, 2, 16, 4, 8], RING)
+    vs = gl.allocate_shared_memory(gl.uint8, [STAGES, 2, 16, 8, 4], RING)
+    ss = gl.allocate_shared_memory(gl.float16, [STAGES * 4, 16, HKV], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    bt_row = bt_ptr + s.to(gl.int64) * stride_bt
+    base = gl.load(bt_row + g0, mask=g0 < g1, other=0).to(gl.int64) * page_bytes
+    for i in gl.static_range(STAGES - 1):
+        _ring_fill3(ks, vs, ss, i, u8_ptr + base + i * 16 * HKV * (D // 2) + kofs,
+                    u8_ptr + base + i * 16 * HKV * (D // 4) + vofs, f16_ptr + base // 2 + i * 16 * HKV + sofs,
+                    K_TS, K_TO, V_TS, V_TO)
+    it = 0
+    for g in range(g0, g1):
+        fb = base // 2
+        base_n = gl.load(bt_row + gl.minimum(g + 1, g1 - 1)).to(gl.int64) * page_bytes
+        q0, q1, qsum, amax = _query3(qrow, qmask, f16_ptr + fb + K_CS // 2 + h * D, kb, wq, ROWS)
+        vcs = f16_ptr + fb + V_CS // 2 + h * D
+        acc = acc / gl.load(vcs + vch).to(gl.float32)[:, :, None]
+        tprev = 1.0
+        offacc = gl.zeros([8], gl.float32, layout=ROWS)
+        for t0 in range(0, T, 16):
+            ahead = t0 + 16 * (STAGES - 1)
+            nxt = ahead // T
+            nbase = base + nxt * (base_n - base)
+            nt = ahead - nxt * T
+            _ring_fill3(ks, vs, ss, (it + STAGES - 1) % STAGES, u8_ptr + nbase + nt * HKV * (D // 2) + kofs,
+                        u8_ptr + nbase + nt * HKV * (D // 4) + vofs, f16_ptr + nbase // 2 + nt * HKV + sofs,
+                        K_TS, K_TO, V_TS, V_TO)
+            async_copy.wait_group(STAGES - 1)
+            sl = it % STAGES
+            d3 = _k_words3(ks.index(sl * 2 + 0).load(K_CHUNK3), q0, gl.zeros([2, 16, 8], gl.float32, layout=MMA3),
+                           A3, PRECISE_K)
+            d3 = _k_words3(ks.index(sl * 2 + 1).load(K_CHUNK3), q1, d3, A3, PRECISE_K)
+            dots = gl.sum(d3, axis=0)                    # the two warps' partial scores
+            ts = _ring_scale(ss, sl * 4 + 0, hsel, SC_RD, ROWS16)
+            to = _ring_scale(ss, sl * 4 + 1, hsel, SC_RD, ROWS16)
+            tsv = _ring_scale(ss, sl * 4 + 2, hsel, SC_RD, ROWS16)
+            tov = _ring_scale(ss, sl * 4 + 3, hsel, SC_RD, ROWS16)
+            m_i, l_i, tprev, offacc, f, p_hi, p_lo = _softmax_tile(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i,
+                                                                   tprev, offacc, S2)
+            acc = acc * _rows3(f)
+            p_hi3 = gl.convert_layout(gl.expand_dims(p_hi, 0).broadcast_to([2, 16, 8]), B3)
+            p_lo3 = gl.convert_layout(gl.expand_dims(p_lo, 0).broadcast_to([2, 16, 8]), B3)
+            acc = _v_words3(vs.index(sl).load(V_HALF3), p_hi3, p_lo3, acc, A3, PRECISE_V)
+            it += 1
+        acc = (acc + _rows3(offacc)) * (gl.load(vcs + vch).to(gl.float32) * tprev)[:, :, None]
+        base = base_n
+    async_copy.wait_group(0)
+    n = gl.arange(0, 8, layout=ROWS)
+    slot = ((s * HQ + h * QPK) * NSPLIT + j + n * NSPLIT).to(gl.int64)
+    gl.store(o_ptr + _rows3(slot) * D + vch[:, :, None], acc, mask=_rows3(n < QPK))
+    gl.store(ml_ptr + slot * 2, m_i, mask=n < QPK)
+    gl.store(ml_ptr + slot * 2 + 1, l_i, mask=n < QPK)
+
+
+@gluon.jit
+def _ring_fill3(ks, vs, ss, slot, kp, vp, sp, K_TS: gl.constexpr, K_TO: gl.constexpr, V_TS: gl.constexpr,
+                V_TO: gl.constexpr):
+    """_ring_fill for two warps: warp w's K chunks 2 w and 2 w + 1 (ring entries 2 slot, 2 slot + 1), its V half,
+    the token scales (both warps copy the same bytes); one commit group."""
+    _copy(ks.index(slot * 2 + 0), kp)
+    _copy(ks.index(slot * 2 + 1), kp + 8)
+    _copy(vs.index(slot), vp)
+    _copy(ss.index(slot * 4 + 0), sp + K_TS // 2)
+    _copy(ss.index(slot * 4 + 1), sp + K_TO // 2)
+    _copy(ss.index(slot * 4 + 2), sp + V_TS // 2)
+    _copy(ss.index(slot * 4 + 3), sp + V_TO // 2)
+    async_copy.commit_group()

@@ -741,13 +741,18 @@ def _splits(batch: int, kv_heads: int, max_groups: int, device: torch.device, pe
 
 
 DECODE_DEFAULTS = {"v1": (32, 8, None), "v2": (128, 8, None), "v3": (128, 8, 1), "v4": (16, 1, None),
-                   "v5": (16, 1, 2)}
+                   "v5": (16, 1, 2), "v6": (16, 2, 2)}
 """Per decode variant: (block_t, num_warps, stages) when the caller gives none (stages None: Triton's default). v3 at
 (128, 8, 1) was the fastest config within the tests' bound of bench/scripts/kvarn_decode_sweep.py on an H100
 (2026-12-06, triton 3.6): 587.7 us at 8 x 32k against v2's 859.9 and v1's 997.2 in the same run. v4 and v5 (Gluon)
 have one tiling: 16-token tiles, one warp a program; v5's stages is the depth of its ring of tiles in shared memory
 (GLUON_STAGES: 2 ... 9, 3.5 KiB a tile): 2, as fast as 4 on an H100 (2026-12-07: 282.4 against 285.9 us at
-8 x 32k, 64 splits) in half the shared memory, so 8 programs fit an sm86 SM (100 KiB) as they fit an sm90 one."""
+8 x 32k, 64 splits) in half the shared memory, so 8 programs fit an sm86 SM (100 KiB) as they fit an sm90 one.
+v6 (Gluon) is v5's tiling on two warps a program, each with half the channels (kvarn_gluon.decode_split_v6)."""
+V6_MAXNREG = 168
+"""v6's register cap when the caller gives none: ptxas compiles it without spills at 168 for sm86 and sm90
+(kvarn_compile_check.py; 223 / 233 registers uncapped), which makes 3 warps a scheduler: 6 two-warp programs an SM,
+where 223 would make 4. Chosen from the compiled figures; not yet timed on a GPU (docs/kvarn.md)."""
 V4_SPLITS = (8, 256)
 """v4's and v5's default split count: one wave of V4_SPLITS[0] one-warp programs an SM (ptxas gives both 255
 registers a thread: 65,536 / (255 x 32) = 8 resident), at most V4_SPLITS[1] splits (the other variants': about 4
@@ -764,7 +769,7 @@ def _sm_shared(device: torch.device) -> int:
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 0)
 
 
-def _resident(device: torch.device, maxnreg: int | None, stages: int, qsmem: bool = False) -> int:
+def _resident(device: torch.device, maxnreg: int | None, stages: int, qsmem: bool = False, warps: int = 1) -> int:
     """How many one-warp v4 / v5 programs an SM holds at once: by registers, 4 times what one of the SM's four
     schedulers holds (each has its own 16,384 registers; a warp takes 32 x the kernel's registers, maxnreg or the 255
     ptxas gives them, rounded up to 8), and for v5 its shared memory over the ring's (``stages`` tiles of 3,584 B,
@@ -772,10 +777,11 @@ def _resident(device: torch.device, maxnreg: int | None, stages: int, qsmem: boo
     Without a cap that is V4_SPLITS[0] (8: 255 registers); a cap of 200 keeps it 8 (2 a scheduler: 65,536 / 6,400 =
     10 counted the SM as one pool, and Nsight Compute and the sweep said 8 — an H100, 2026-12-07: 41 splits 456 us,
     33 splits 282 us), 168 makes it 12, 128 16; an sm86 SM's 100 KiB holds 6 programs with the query parked
-    (qsmem), an sm90 SM's 228 KiB 13."""
-    regs = 4 * (16384 // (32 * -(-(maxnreg or 255) // 8) * 8))
+    (qsmem), an sm90 SM's 228 KiB 13. A program of ``warps`` warps (v6: 2) counts that many warps, and 1 KiB more
+    shared memory (the scratch its warps sum their partial scores through)."""
+    regs = 4 * (16384 // (32 * -(-(maxnreg or 255) // 8) * 8)) // warps
     smem = _sm_shared(device) if stages else 0
-    return max(1, min(regs, smem // (stages * 3584 + 1024 + 8192 * qsmem)) if smem else regs)
+    return max(1, min(regs, smem // (stages * 3584 + 1024 + 8192 * qsmem + 1024 * (warps > 1))) if smem else regs)
 
 
 def _qsmem_default(device: torch.device, maxnreg: int | None, stages: int) -> bool:
@@ -831,25 +837,27 @@ DEFAULT_UNPACK = "magic"
 
 
 def _load_gluon():
-    """kvarn_gluon.py (v4, v5), loaded on first use: a host whose Triton lacks Gluon still runs v1-v3."""
+    """kvarn_gluon.py (v4, v5, v6), loaded on first use: a host whose Triton lacks Gluon still runs v1-v3."""
     return _load_sibling("kvarn_gluon.py", "rig_kernel_kvarn_gluon", unpack_asm=UNPACK_PTX)
 
 
 def _check_gluon(variant: str, device: torch.device, block_t: int, num_warps: int, stages: int | None,
                  maxnreg: int | None, precise: str, unpack: str) -> None:
-    """v4's and v5's refusals, before anything launches: CUDA only (Gluon has no interpreter), one tiling; v4
+    """v4's, v5's and v6's refusals, before anything launches: CUDA only (Gluon has no interpreter), one tiling; v4
     unpacks by "magic" or "ptx" with hi + lo dots, v5 by its own word-at-a-time PTX (unpack left out) with a ring
     of 2 ... 9 tiles, an optional register cap (maxnreg: more one-warp programs an SM, against spills) and
-    ``precise``."""
+    ``precise``; v6 as v5 on two warps, "magic" only."""
     if device.type != "cuda":
         raise ValueError(f"variant {variant!r} is a Gluon kernel, compiled for CUDA only (q is on {device}); use 'v3'")
     block, warps, _ = DECODE_DEFAULTS[variant]
     if (block_t, num_warps) != (block, warps) or (variant == "v4" and (stages or maxnreg or precise != "kv")):
         knobs = "block_t, num_warps, stages, maxnreg and precise" if variant == "v4" else \
             "block_t and num_warps (stages: the ring's depth; maxnreg: a register cap; precise)"
-        raise ValueError(f"variant {variant!r} has one tiling (16-token tiles, one warp): leave {knobs} out")
-    if variant == "v5" and stages not in GLUON_STAGES:
-        raise ValueError(f"stages {stages}: v5's ring holds {GLUON_STAGES.start} ... {GLUON_STAGES.stop - 1} tiles")
+        raise ValueError(f"variant {variant!r} has one tiling (16-token tiles, {warps} warp{'s' * (warps > 1)}): "
+                         f"leave {knobs} out")
+    if variant in ("v5", "v6") and stages not in GLUON_STAGES:
+        raise ValueError(f"stages {stages}: {variant}'s ring holds {GLUON_STAGES.start} ... {GLUON_STAGES.stop - 1} "
+                         "tiles")
     if variant == "v4" and unpack not in ("magic", "ptx"):
         raise ValueError(f"unpack {unpack!r}: variant 'v4' unpacks by 'magic' or 'ptx'")
     if variant == "v5" and unpack not in ("magic", "subnormal"):
@@ -885,6 +893,9 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     ``qsmem``: the query's operands in shared memory, read by each tile, not held in registers, and ``inplace``: codes
     masked where they lie in their word, not shifted down, the scale that leaves folded into the query and the
     accumulator),
+    "v6" (kvarn_gluon.decode_split_v6: v5 on two warps a program, each with half the channels, so each holds half
+    the accumulator and query; knobs splits, stages, maxnreg (default V6_MAXNREG) and precise; compiled, not yet
+    timed on a GPU),
     "v4" (kvarn_gluon.decode_split_v4, a Gluon kernel: codes straight from global memory into
     tensor-core operands, one warp a program, no shared memory; compiled CUDA only, ``unpack`` "magic" or
     "ptx", no other knob but splits), "v3" (the default without Gluon; _decode_split_kernel_v3: codes read as stored,
@@ -926,7 +937,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                         ("inplace", inplace)):
         if value is not None and variant != "v5":
             raise ValueError(f"{knob} {value} is a v5 knob; variant {variant!r} has no such choice (leave {knob} out)")
-    if variant in ("v4", "v5"):
+    if variant in ("v4", "v5", "v6"):
         _check_gluon(variant, q.device, block_t, num_warps, stages, maxnreg, precise, unpack)
     if unpack == "ptx" and q.device.type != "cuda":
         raise ValueError(f"unpack {unpack!r} is inline PTX: CUDA tensors only (q is on {q.device}); use 'magic'")
@@ -943,10 +954,13 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     qpk = hq // hkv
     q_scale = LOG2E / math.sqrt(d)
     qc = q.contiguous()  # the combine kernel and the rotation read it as stored and scale it themselves
-    gluon = variant in ("v4", "v5")
+    gluon = variant in ("v4", "v5", "v6")
+    if variant == "v6" and maxnreg is None:
+        maxnreg = V6_MAXNREG
     qsmem = V5_QSMEM if qsmem is None else qsmem
     qsmem = variant == "v5" and bool(_qsmem_default(q.device, maxnreg, stages) if qsmem is None else qsmem)
-    per_sm = _resident(q.device, maxnreg, stages if variant == "v5" else 0, qsmem) if gluon else 4
+    per_sm = _resident(q.device, maxnreg, stages if variant in ("v5", "v6") else 0, qsmem,
+                       DECODE_DEFAULTS[variant][1] if gluon else 1) if gluon else 4
     gps, nsplit = _splits(s_, hkv, max_groups, q.device, per_sm, V4_SPLITS[1] if gluon else 64, one_wave=gluon)
     if splits is not None and max_groups > 0:
         gps = math.ceil(max_groups / max(1, min(splits, max_groups)))
@@ -974,6 +988,10 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                       LAZY=V5_LAZY if lazy is None else bool(lazy),
                       PREFETCH=V5_PREFETCH if prefetch is None else bool(prefetch), SKEW=skewed,
                       QSMEM=qsmem, INPLACE=V5_INPLACE if inplace is None else bool(inplace))
+            del kw["BLOCK_G"], kw["BLOCK_T"]
+        if variant == "v6":
+            kernel, kw["STAGES"], stages = _load_gluon().decode_split_v6, stages, None
+            kw.update(PRECISE_K="k" in precise, PRECISE_V="v" in precise)
             del kw["BLOCK_G"], kw["BLOCK_T"]
         if stages is not None:
             kw["num_stages"] = stages
