@@ -383,16 +383,35 @@ def _k_words(raw, q, dots, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.con
         asm: gl.constexpr = K_WORD_IP
     else:
         asm: gl.constexpr = K_WORD
+    # element 2 B0 + B1 of a word's four holds byte 2 B1 + B0 (lop3 pairs bytes 0 and 2): k = nib b2 B0 a1 a0 B1
+    a = _k_unpack(raw, asm).reshape([16, 4, 2, 2, 2, 2]).permute([0, 5, 2, 3, 1, 4]).reshape([16, 64])
+    return _mma_hi_lo(gl.convert_layout(a, A_L, assert_trivial=True), q[0], q[1], dots, PRECISE)
+
+
+@gluon.jit
+def _k_unpack(raw, asm: gl.constexpr):
+    """K code words -> fp16 by ``asm`` (a _k_word_ptx), the low and high nibbles joined along a new last axis."""
     lo, hi = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [raw], dtype=(gl.float16, gl.float16),
                                        is_pure=True, pack=4)
-    # element 2 B0 + B1 of a word's four holds byte 2 B1 + B0 (lop3 pairs bytes 0 and 2): k = nib b2 B0 a1 a0 B1
-    a = gl.join(lo, hi).reshape([16, 4, 2, 2, 2, 2]).permute([0, 5, 2, 3, 1, 4]).reshape([16, 64])
-    a = gl.convert_layout(a, A_L, assert_trivial=True)
-    q_hi, q_lo = q
-    dots = mma_v2(a, q_hi, dots)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _v_unpack(raw, asm: gl.constexpr):
+    """Pairs of V code words -> fp16 by ``asm`` (a _v_word_ptx); crumb c = 2 b1 + b0 along two new last axes."""
+    c0, c1, c2, c3 = gl.inline_asm_elementwise(asm, "=r," * 16 + "r,r", [raw],
+                                               dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+                                               is_pure=True, pack=8)
+    return gl.join(gl.join(c0, c1), gl.join(c2, c3))
+
+
+@gluon.jit
+def _mma_hi_lo(a, hi, lo, acc, PRECISE: gl.constexpr):
+    """acc + a @ hi (+ a @ lo where PRECISE: the fp16 hi + lo split of a ~22-bit operand)."""
+    acc = mma_v2(a, hi, acc)
     if PRECISE:
-        dots = mma_v2(a, q_lo, dots)
-    return dots
+        acc = mma_v2(a, lo, acc)
+    return acc
 
 
 @gluon.jit
@@ -457,16 +476,10 @@ def _v_words(raw, p_hi, p_lo, acc, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB
         asm: gl.constexpr = V_WORDS_IP
     else:
         asm: gl.constexpr = V_WORDS
-    c0, c1, c2, c3 = gl.inline_asm_elementwise(asm, "=r," * 16 + "r,r", [raw],
-                                               dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
-                                               is_pure=True, pack=8)
     # element (T0, B1, B0) of output c holds token 2 (T >> 1) + B0, byte 2 B1 + T0, crumb c
-    v = gl.join(gl.join(c0, c1), gl.join(c2, c3)).reshape([8, 2, 8, 2, 2, 2, 2])
+    v = _v_unpack(raw, asm).reshape([8, 2, 8, 2, 2, 2, 2])
     av = gl.convert_layout(v.permute([3, 1, 6, 5, 2, 0, 4]).reshape([128, 16]), A_L, assert_trivial=True)
-    acc = mma_v2(av, p_hi, acc)
-    if PRECISE:
-        acc = mma_v2(av, p_lo, acc)
-    return acc
+    return _mma_hi_lo(av, p_hi, p_lo, acc, PRECISE)
 
 
 @gluon.jit
@@ -510,16 +523,20 @@ def _ring_scale(ss, i, hsel, SC_RD: gl.constexpr, ROWS16: gl.constexpr):
 @gluon.jit
 def _fill_ahead(ks, vs, ss, it, t0, base, base_n, u8_ptr, f16_ptr, kofs, vofs, sofs, K_TS: gl.constexpr,
                 K_TO: gl.constexpr, V_TS: gl.constexpr, V_TO: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
-                T: gl.constexpr, STAGES: gl.constexpr):
+                T: gl.constexpr, STAGES: gl.constexpr, TWO_WARPS: gl.constexpr = False):
     """Ring step of tile ``it`` (token t0 of its group): tile it + STAGES - 1, this group's or the next one's, into
-    slot (it + STAGES - 1) % STAGES."""
+    slot (it + STAGES - 1) % STAGES (v6's ring: TWO_WARPS)."""
     ahead = t0 + 16 * (STAGES - 1)
     nxt = ahead // T
     nbase = base + nxt * (base_n - base)
     nt = ahead - nxt * T
-    _ring_fill(ks, vs, ss, (it + STAGES - 1) % STAGES, u8_ptr + nbase + nt * HKV * (D // 2) + kofs,
-               u8_ptr + nbase + nt * HKV * (D // 4) + vofs, f16_ptr + nbase // 2 + nt * HKV + sofs,
-               K_TS, K_TO, V_TS, V_TO)
+    kp = u8_ptr + nbase + nt * HKV * (D // 2) + kofs
+    vp = u8_ptr + nbase + nt * HKV * (D // 4) + vofs
+    sp = f16_ptr + nbase // 2 + nt * HKV + sofs
+    if TWO_WARPS:
+        _ring_fill3(ks, vs, ss, (it + STAGES - 1) % STAGES, kp, vp, sp, K_TS, K_TO, V_TS, V_TO)
+    else:
+        _ring_fill(ks, vs, ss, (it + STAGES - 1) % STAGES, kp, vp, sp, K_TS, K_TO, V_TS, V_TO)
 
 
 @gluon.jit
@@ -711,29 +728,16 @@ V_HALF3 = gl.constexpr(gl.DistributedLinearLayout(
 @gluon.jit
 def _k_words3(raw, q, dots, A3: gl.constexpr, PRECISE: gl.constexpr):
     """_k_words on both warps' chunks at once (raw [2, 16, 4, 8] in K_CHUNK3; q: (hi, lo) [2, 64, 8])."""
-    lo, hi = gl.inline_asm_elementwise(K_WORD, "=r,=r,=r,=r,r", [raw], dtype=(gl.float16, gl.float16),
-                                       is_pure=True, pack=4)
-    a = gl.join(lo, hi).reshape([2, 16, 4, 2, 2, 2, 2]).permute([0, 1, 6, 3, 4, 2, 5]).reshape([2, 16, 64])
-    a = gl.convert_layout(a, A3, assert_trivial=True)
-    q_hi, q_lo = q
-    dots = mma_v2(a, q_hi, dots)
-    if PRECISE:
-        dots = mma_v2(a, q_lo, dots)
-    return dots
+    a = _k_unpack(raw, K_WORD).reshape([2, 16, 4, 2, 2, 2, 2]).permute([0, 1, 6, 3, 4, 2, 5]).reshape([2, 16, 64])
+    return _mma_hi_lo(gl.convert_layout(a, A3, assert_trivial=True), q[0], q[1], dots, PRECISE)
 
 
 @gluon.jit
 def _v_words3(raw, p_hi, p_lo, acc, A3: gl.constexpr, PRECISE: gl.constexpr):
     """_v_words on both warps' V halves at once (raw [2, 16, 8, 4] in V_HALF3; p: [2, 16, 8], the same in both)."""
-    c0, c1, c2, c3 = gl.inline_asm_elementwise(V_WORDS, "=r," * 16 + "r,r", [raw],
-                                               dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
-                                               is_pure=True, pack=8)
-    v = gl.join(gl.join(c0, c1), gl.join(c2, c3)).reshape([2, 8, 2, 8, 2, 2, 2, 2])
+    v = _v_unpack(raw, V_WORDS).reshape([2, 8, 2, 8, 2, 2, 2, 2])
     av = gl.convert_layout(v.permute([0, 4, 2, 7, 6, 3, 1, 5]).reshape([2, 128, 16]), A3, assert_trivial=True)
-    acc = mma_v2(av, p_hi, acc)
-    if PRECISE:
-        acc = mma_v2(av, p_lo, acc)
-    return acc
+    return _mma_hi_lo(av, p_hi, p_lo, acc, PRECISE)
 
 
 @gluon.jit
@@ -840,13 +844,8 @@ def decode_split_v6(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
         tprev = 1.0
         offacc = gl.zeros([8], gl.float32, layout=ROWS)
         for t0 in range(0, T, 16):
-            ahead = t0 + 16 * (STAGES - 1)
-            nxt = ahead // T
-            nbase = base + nxt * (base_n - base)
-            nt = ahead - nxt * T
-            _ring_fill3(ks, vs, ss, (it + STAGES - 1) % STAGES, u8_ptr + nbase + nt * HKV * (D // 2) + kofs,
-                        u8_ptr + nbase + nt * HKV * (D // 4) + vofs, f16_ptr + nbase // 2 + nt * HKV + sofs,
-                        K_TS, K_TO, V_TS, V_TO)
+            _fill_ahead(ks, vs, ss, it, t0, base, base_n, u8_ptr, f16_ptr, kofs, vofs, sofs, K_TS, K_TO, V_TS, V_TO,
+                        HKV, D, T, STAGES, True)
             async_copy.wait_group(STAGES - 1)
             sl = it % STAGES
             d3 = _k_words3(ks.index(sl * 2 + 0).load(K_CHUNK3), q0, gl.zeros([2, 16, 8], gl.float32, layout=MMA3),
