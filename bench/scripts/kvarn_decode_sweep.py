@@ -89,9 +89,9 @@ fp16 subnormals, no subtraction), the lazy rescale (one V unit a group), the pre
 scales, register caps (200: no spill in the token loop; the split count follows the cap, kvarn_triton._resident,
 which counted 10 programs an SM there until rows 84-86 showed 8: those rows of 2026-12-07 ran a part-filled second
 wave) and the skewed loop (a tile's dots before the previous tile's softmax and P.V); from index
-69 (2026-12-07, night) the query's operands in shared memory (qsmem: 64 registers a thread fewer to hold, so a
-register cap spills less), alone, under caps of 168 and 128, with hi-only operands, the subnormal unpack and
-deeper rings, caps of 200; (79) v5 without it, qsmem's default on an sm90 GPU since 2026-12-07 (night); (84-86)
+69 (2026-12-07, night) the query's operands in shared memory (qsmem: 64 registers a thread fewer to hold), alone,
+under caps of 168 and 128, with hi-only operands, the subnormal unpack and deeper rings, caps of 200; (79) v5
+without it, qsmem's default on an sm90 GPU since 2026-12-07 (night); (84-86)
 caps of 200 / 168 at one wave of 8 programs an SM (33 splits) and two (66), against the split count the cap implies;
 (87-90) the in-place unpack (codes masked where they lie: 72 fewer shifts a tile), with qsmem; (91-96) v6 (v5 on two
 warps a program, half the channels each) at its defaults (cap 168: 6 programs an SM), precise "k", a ring of 3,
