@@ -373,8 +373,8 @@ V_WORDS_SUB_IP = gl.constexpr(_v_word_ptx(True, True))
 @gluon.jit
 def _k_words(raw, q, dots, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.constexpr, IP: gl.constexpr = False):
     """One 64-channel chunk of a 16-token K tile (raw: [16, 4 (a), 8 (byte)] in K_CHUNK) unpacked a word at a
-    time (K_WORD, or K_WORD_SUB: SUB) and dotted with the query's hi (and, PRECISE, its lo) operand; channel map:
-    _q_chunk's WORDS order."""
+    time (K_WORD, K_WORD_SUB: SUB, and their in-place forms: IP) and dotted with the query's hi (and, PRECISE, its
+    lo) operand; channel map: _q_chunk's WORDS order."""
     if SUB and IP:
         asm: gl.constexpr = K_WORD_SUB_IP
     elif SUB:
@@ -466,8 +466,8 @@ def _k_tile_q(ks, sl, qs, q0, q1, q2, q3, A_L: gl.constexpr, B_L: gl.constexpr, 
 def _v_words(raw, p_hi, p_lo, acc, A_L: gl.constexpr, PRECISE: gl.constexpr, SUB: gl.constexpr,
              IP: gl.constexpr = False):
     """One 128-channel half of a 16-token V tile (raw: [16 (T), 8 (x), 4 (byte)] in V_HALF) unpacked two tokens'
-    words at a time (V_WORDS, or V_WORDS_SUB: SUB), accumulated with p's hi (and, PRECISE, its lo) operand into acc
-    (rows R <-> channel 32 (R & 7) + 16 c + (R >> 3))."""
+    words at a time (V_WORDS, V_WORDS_SUB: SUB, and their in-place forms: IP), accumulated with p's hi (and,
+    PRECISE, its lo) operand into acc (rows R <-> channel 32 (R & 7) + 16 c + (R >> 3))."""
     if SUB and IP:
         asm: gl.constexpr = V_WORDS_SUB_IP
     elif SUB:
@@ -521,6 +521,14 @@ def _ring_scale(ss, i, hsel, SC_RD: gl.constexpr, ROWS16: gl.constexpr):
 
 
 @gluon.jit
+def _tile_scales(ss, sl, hsel, SC_RD: gl.constexpr, ROWS16: gl.constexpr):
+    """Ring slot sl's four token-scale vectors of this head (K scale, K offset, V scale, V offset; _ring_fill's
+    order), each as fp32 in the scores' row layout."""
+    return (_ring_scale(ss, sl * 4 + 0, hsel, SC_RD, ROWS16), _ring_scale(ss, sl * 4 + 1, hsel, SC_RD, ROWS16),
+            _ring_scale(ss, sl * 4 + 2, hsel, SC_RD, ROWS16), _ring_scale(ss, sl * 4 + 3, hsel, SC_RD, ROWS16))
+
+
+@gluon.jit
 def _fill_ahead(ks, vs, ss, it, t0, base, base_n, u8_ptr, f16_ptr, kofs, vofs, sofs, K_TS: gl.constexpr,
                 K_TO: gl.constexpr, V_TS: gl.constexpr, V_TO: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
                 T: gl.constexpr, STAGES: gl.constexpr, TWO_WARPS: gl.constexpr = False):
@@ -546,10 +554,7 @@ def _pv_tile(ss, vs, sl, dots, amax, qsum, m_i, l_i, tprev, offacc, runit, acc0,
     """A tile's softmax step (its token scales from ring slot sl) and P.V (its V codes from the slot) on its raw
     dots: (m, l, the unit, the offsets' sum, acc0, acc1) after it. LAZY: one unit a group (runit), acc rescaled
     only where a row's running max rose (_softmax_tile_unit); else one unit a tile (_softmax_tile)."""
-    ts = _ring_scale(ss, sl * 4 + 0, hsel, SC_RD, ROWS16)
-    to = _ring_scale(ss, sl * 4 + 1, hsel, SC_RD, ROWS16)
-    tsv = _ring_scale(ss, sl * 4 + 2, hsel, SC_RD, ROWS16)
-    tov = _ring_scale(ss, sl * 4 + 3, hsel, SC_RD, ROWS16)
+    ts, to, tsv, tov = _tile_scales(ss, sl, hsel, SC_RD, ROWS16)
     if LAZY:
         m_old = m_i
         m_i, l_i, offacc, f, p_hi, p_lo = _softmax_tile_unit(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i, offacc,
@@ -585,11 +590,12 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     at a group's start (_prefetch_scales), so the next group's start does not wait on them from memory. SKEW: a tile's
     dots are computed before the previous tile's softmax and P.V, two independent chains in one step (needs STAGES
     >= 3: a slot is refilled only after its P.V). QSMEM: the query's operands live in shared memory, stored once a
-    group and read by every tile (_q_ops), not in 32 or 64 registers a thread for the whole run: room for a register
-    cap that lets more programs share an SM. INPLACE: codes masked where they lie in their word, not shifted down first
-    (_k_word_ptx / _v_word_ptx: one shift a K word, not three; two more permutes for two V words, not twelve shifts):
-    a K word's high nibbles come out 16 x code, folded into the query's low-nibble operands (x 16) and the dots' row
-    scale (/ 16); V crumb c comes out 4^c x code, the channel & 3 of acc's row, folded into acc at a group's ends."""
+    group and read by every tile (_q_park, _q_op), not in 32 or 64 registers a thread for the whole run (measured
+    4-8 % faster at precise "kv" on an H100; register caps stay slower with it). INPLACE: codes masked where they
+    lie in their word, not shifted down first (_k_word_ptx / _v_word_ptx: one shift a K word, not three; two more
+    permutes for two V words, not twelve shifts): a K word's high nibbles come out 16 x code, folded into the query's
+    low-nibble operands (x 16) and the dots' row scale (/ 16); V crumb c comes out 4^c x code, the channel & 3 of
+    acc's row, folded into acc at a group's ends."""
     gl.static_assert(D == 256, "v5's channel maps are for head_dim 256")
     gl.static_assert(QPK <= 8, "v5 holds a KV head's query rows in the mma's 8 columns")
     gl.static_assert(HKV == 4, "v5 reads a tile's token scales as [16 tokens, 4 heads]")
@@ -852,10 +858,7 @@ def decode_split_v6(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
                            A3, PRECISE_K)
             d3 = _k_words3(ks.index(sl * 2 + 1).load(K_CHUNK3), q1, d3, A3, PRECISE_K)
             dots = gl.sum(d3, axis=0)                    # the two warps' partial scores
-            ts = _ring_scale(ss, sl * 4 + 0, hsel, SC_RD, ROWS16)
-            to = _ring_scale(ss, sl * 4 + 1, hsel, SC_RD, ROWS16)
-            tsv = _ring_scale(ss, sl * 4 + 2, hsel, SC_RD, ROWS16)
-            tov = _ring_scale(ss, sl * 4 + 3, hsel, SC_RD, ROWS16)
+            ts, to, tsv, tov = _tile_scales(ss, sl, hsel, SC_RD, ROWS16)
             m_i, l_i, tprev, offacc, f, p_hi, p_lo = _softmax_tile(dots, amax, qsum, ts, to, tsv, tov, m_i, l_i,
                                                                    tprev, offacc, S2)
             acc = acc * _rows3(f)

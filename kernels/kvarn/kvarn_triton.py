@@ -770,7 +770,7 @@ def _sm_shared(device: torch.device) -> int:
 
 
 def _resident(device: torch.device, maxnreg: int | None, stages: int, qsmem: bool = False, warps: int = 1) -> int:
-    """How many one-warp v4 / v5 programs an SM holds at once: by registers, 4 times what one of the SM's four
+    """How many v4 / v5 / v6 programs an SM holds at once: by registers, 4 times what one of the SM's four
     schedulers holds (each has its own 16,384 registers; a warp takes 32 x the kernel's registers, maxnreg or the 255
     ptxas gives them, rounded up to 8), and for v5 its shared memory over the ring's (``stages`` tiles of 3,584 B,
     the query's 8 KiB with ``qsmem``, plus the 1 KiB the driver reserves a block) where torch reports the SM's.
@@ -959,8 +959,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         maxnreg = V6_MAXNREG
     qsmem = V5_QSMEM if qsmem is None else qsmem
     qsmem = variant == "v5" and bool(_qsmem_default(q.device, maxnreg, stages) if qsmem is None else qsmem)
-    per_sm = _resident(q.device, maxnreg, stages if variant in ("v5", "v6") else 0, qsmem,
-                       DECODE_DEFAULTS[variant][1] if gluon else 1) if gluon else 4
+    per_sm = _resident(q.device, maxnreg, stages if variant in ("v5", "v6") else 0, qsmem, num_warps) if gluon else 4
     gps, nsplit = _splits(s_, hkv, max_groups, q.device, per_sm, V4_SPLITS[1] if gluon else 64, one_wave=gluon)
     if splits is not None and max_groups > 0:
         gps = math.ceil(max_groups / max(1, min(splits, max_groups)))
@@ -982,17 +981,15 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         if variant == "v4":
             kernel, kw["PTX"] = _load_gluon().decode_split_v4, unpack == "ptx"
             del kw["BLOCK_G"], kw["BLOCK_T"]
-        if variant == "v5":
-            kernel, kw["STAGES"], stages = _load_gluon().decode_split_v5, stages, None
-            kw.update(PRECISE_K="k" in precise, PRECISE_V="v" in precise, SUB=unpack == "subnormal",
-                      LAZY=V5_LAZY if lazy is None else bool(lazy),
-                      PREFETCH=V5_PREFETCH if prefetch is None else bool(prefetch), SKEW=skewed,
-                      QSMEM=qsmem, INPLACE=V5_INPLACE if inplace is None else bool(inplace))
-            del kw["BLOCK_G"], kw["BLOCK_T"]
-        if variant == "v6":
-            kernel, kw["STAGES"], stages = _load_gluon().decode_split_v6, stages, None
+        if variant in ("v5", "v6"):   # the ring's depth is a constexpr of theirs, not Triton's pipelining
+            kernel = getattr(_load_gluon(), f"decode_split_{variant}")
+            kw["STAGES"], stages = stages, None
             kw.update(PRECISE_K="k" in precise, PRECISE_V="v" in precise)
             del kw["BLOCK_G"], kw["BLOCK_T"]
+        if variant == "v5":
+            kw.update(SUB=unpack == "subnormal", LAZY=V5_LAZY if lazy is None else bool(lazy),
+                      PREFETCH=V5_PREFETCH if prefetch is None else bool(prefetch), SKEW=skewed,
+                      QSMEM=qsmem, INPLACE=V5_INPLACE if inplace is None else bool(inplace))
         if stages is not None:
             kw["num_stages"] = stages
         if maxnreg is not None:
