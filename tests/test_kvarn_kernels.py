@@ -353,6 +353,9 @@ DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"vari
                    pytest.param({"variant": "v5", "inplace": True}, id="v5-inplace"),
                    pytest.param({"variant": "v5", "inplace": True, "unpack": "subnormal", "precise": "k", "lazy": True,
                                  "prefetch": True}, id="v5-inplace-subnormal-k-lazy-prefetch"),
+                   pytest.param({"variant": "v5", "csmem": True}, id="v5-csmem"),
+                   pytest.param({"variant": "v5", "csmem": True, "inplace": True, "unpack": "subnormal", "precise": "k",
+                                 "lazy": True}, id="v5-csmem-inplace-subnormal-k-lazy"),
                    pytest.param({"variant": "v6"}, id="v6"), pytest.param({"variant": "v6", "precise": "k"},
                                                                           id="v6-precise-k")]
 """decode_attention's split kernels (and their knobs) that every decode check runs (v5 is the default on a GPU, v3
@@ -401,18 +404,19 @@ def test_v5_resident_programs_and_where_it_parks_the_query(dev):
     """v4's / v5's one-wave split count rests on how many one-warp programs an SM holds: registers alone without CUDA
     (each of an SM's 4 schedulers has 16,384: 255 a thread: 8; caps of 200 / 168 / 128: 8 / 12 / 16 — 200 is not
     10, which an H100 showed: 41 splits took 1.6x 33's); on a GPU also the ring's and the parked query's shared
-    memory (2 stages: 8 KiB a program, 16 KiB with the query), and qsmem's default is on exactly where parking the
-    query keeps 8 programs an SM (sm90's 228 KiB: yes; sm86's 100 KiB: no)."""
+    memory (2 stages: 8 KiB a program, 16 KiB with the query, 12 KiB more with csmem), and qsmem's default is on
+    exactly where parking the query keeps 8 programs an SM (sm90's 228 KiB: yes; sm86's 100 KiB: no)."""
     kt, device = dev
     d = torch.device(device)
     if device == "cpu":
         assert [kt._resident(d, r, 2) for r in (None, 232, 200, 176, 168, 128)] == [8, 8, 8, 8, 12, 16]
-        assert kt._resident(d, None, 2, True) == 8
+        assert kt._resident(d, None, 2, True) == kt._resident(d, None, 2, True, csmem=True) == 8
         assert [kt._resident(d, r, 2, warps=2) for r in (168, 128)] == [6, 8]   # v6: two-warp programs
         return
     smem = torch.cuda.get_device_properties(d).shared_memory_per_multiprocessor
     assert kt._resident(d, None, 2) == min(8, smem // 8192)
     assert kt._resident(d, None, 2, True) == min(8, smem // 16384)
+    assert kt._resident(d, None, 2, True, csmem=True) == min(8, smem // (16384 + 12288))
     assert kt._resident(d, 128, 9) == min(16, smem // (9 * 3584 + 1024))
     assert kt._qsmem_default(d, None, 2) == (smem >= 8 * 16384)
 
@@ -467,7 +471,9 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                   {"variant": "v5", "skew": True}, {"variant": "v5", "skew": True, "splits": 3, "stages": 9},
                   {"variant": "v5", "skew": True, "lazy": True, "splits": 1}, {"variant": "v5", "qsmem": True},
                   {"variant": "v5", "qsmem": True, "maxnreg": 128, "splits": 3}, {"variant": "v5", "inplace": True},
-                  {"variant": "v5", "inplace": True, "qsmem": False, "lazy": True, "splits": 3}, {"variant": "v6"},
+                  {"variant": "v5", "inplace": True, "qsmem": False, "lazy": True, "splits": 3},
+                  {"variant": "v5", "csmem": True}, {"variant": "v5", "csmem": True, "splits": 5, "stages": 9},
+                  {"variant": "v5", "csmem": True, "qsmem": False, "inplace": True, "splits": 1}, {"variant": "v6"},
                   {"variant": "v6", "splits": 3, "stages": 9}, {"variant": "v6", "maxnreg": 255, "splits": 1}]
                  if device == "cuda" else [])):
         got = cache.decode(q, **{"variant": "v2", **kw}).float()
@@ -480,6 +486,7 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                       ({"variant": "v3", "prefetch": True}, "v5 knob"),
                       ({"variant": "v2", "lazy": True}, "v5 knob"), ({"variant": "v3", "unpack": "subnormal"}, "v5's"),
                       ({"variant": "v4", "qsmem": True}, "v5 knob"), ({"variant": "v3", "inplace": True}, "v5 knob"),
+                      ({"variant": "v6", "csmem": True}, "v5 knob"),
                       ({"variant": "v6", "lazy": True}, "v5 knob"),
                       ({"variant": "v6", "unpack": "subnormal"}, "its own way"),
                       *([({"unpack": "ptx"}, "CUDA tensors only"), ({"variant": "v4"}, "CUDA only"),
@@ -507,8 +514,9 @@ def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_wit
     process: Gluon's compiler prints nanobind leak warnings when its process exits), for the users' sm86 and for
     sm90: v4 (both unpacks) with no shared memory and no barrier, where v3's default (the contrast: the check can
     fail) stages codes through shared memory behind a barrier; v5 with exactly its ring in shared memory (STAGES
-    tiles of 2,048 + 1,024 code bytes and 512 scale bytes, and with qsmem the query's 8 KiB) and one barrier. The
-    script's --json rows carry ptxas's figures as numbers."""
+    tiles of 2,048 + 1,024 code bytes and 512 scale bytes, with qsmem the query's 8 KiB, with csmem two groups'
+    channel scales and the parked query, 10 KiB, 12 with lazy) and one barrier. The script's --json rows carry
+    ptxas's figures as numbers."""
     script = KERNEL_DIR.parents[1] / "bench" / "scripts" / "kvarn_compile_check.py"
     rows = {}
     for i, only in enumerate(("split v4", "split v5", "split v6", "v3 t128 w8 s1 kv magic")):
@@ -522,7 +530,8 @@ def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_wit
     names = {name for name, _ in rows}
     assert {"decode split v3 t128 w8 s1 kv magic", "decode split v4 magic", "decode split v4 ptx",
             "decode split v5 s2", "decode split v5 s4", "decode split v5 s2 k", "decode split v5 s2 sub",
-            "decode split v5 s3 skew", "decode split v5 s2 qs", "decode split v5 s2 qs ip", "decode split v6 s2",
+            "decode split v5 s3 skew", "decode split v5 s2 qs", "decode split v5 s2 qs ip", "decode split v5 s2 cs",
+            "decode split v5 s2 qs cs", "decode split v6 s2",
             "decode split v6 s2 nocap"} <= names, sorted(names)
     assert len(rows) == 2 * len(names), sorted(rows)
     for (name, arch), row in rows.items():
@@ -532,6 +541,8 @@ def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_wit
         if name.startswith("decode split v5"):
             stages, qsmem = int(name.split()[3].removeprefix("s")), "qs" in name.split()
             ring = stages * (2048 + 1024 + 512) + qsmem * 4 * 2 * 64 * 8 * 2   # qs: 4 chunks, hi + lo, [64, 8] fp16
+            cs, lazy = "cs" in name.split(), "lazy" in name.split()   # cs: 2 x (K, V) channel scales, the query,
+            ring += cs * (2 * 2 * 256 * 2 + 4 * 64 * 8 * 4 + lazy * 2 * 128 * 4 * 2)   # + 2 x V token scales
             assert row["shared_bytes"] == ring and row["barriers"] == 1, (name, arch, row)
         if name.startswith("decode split v6"):   # the ring, and 1 KiB its two warps sum their partial scores through
             stages = int(name.split()[3].removeprefix("s"))

@@ -52,9 +52,11 @@ V5_CASES = [(2, "kv", 0, 0, 0, 0, 0, 0), (4, "kv", 0, 0, 0, 0, 0, 0), (4, "kv", 
             (2, "", 168, 1, 1, 1, 0, 0), (3, "kv", 0, 0, 0, 0, 1, 0), (3, "k", 0, 1, 1, 1, 1, 0),
             (3, "", 0, 1, 1, 1, 1, 0), (2, "kv", 0, 0, 0, 0, 0, 1), (2, "kv", 168, 0, 0, 0, 0, 1),
             (2, "k", 168, 0, 0, 0, 0, 1), (2, "k", 128, 0, 0, 0, 0, 1), (2, "k", 168, 1, 1, 0, 0, 1),
-            (2, "k", 128, 1, 1, 0, 0, 1), (2, "kv", 0, 0, 0, 0, 0, 1, 1), (2, "k", 0, 1, 1, 1, 0, 1, 1)]
+            (2, "k", 128, 1, 1, 0, 0, 1), (2, "kv", 0, 0, 0, 0, 0, 1, 1), (2, "k", 0, 1, 1, 1, 0, 1, 1),
+            (2, "kv", 0, 0, 0, 0, 0, 1, 0, 1), (2, "kv", 0, 0, 0, 0, 0, 0, 0, 1), (2, "k", 0, 1, 1, 0, 0, 1, 0, 1),
+            (3, "kv", 0, 0, 0, 0, 1, 1, 0, 1)]
 """v5 split kernels checked: (stages, precise, maxnreg (0: none), subnormal unpack, lazy rescale, prefetch, skew,
-the query in shared memory[, the in-place unpack])."""
+the query in shared memory[, the in-place unpack[, the group start from shared memory]])."""
 
 
 V6_CASES = [(2, "kv", 168), (2, "kv", 0), (2, "k", 168), (2, "kv", 128), (3, "kv", 168)]
@@ -67,13 +69,14 @@ def v6_label(stages: int, precise: str, reg: int) -> str:
     return f"decode split v6 s{stages}" + (f" {precise or 'fp16'}" if precise != "kv" else "") + cap
 
 
-def v5_suffix(precise: str, sub: int, lazy: int, prefetch: int, skew: int, qsmem: int = 0, inplace: int = 0) -> str:
+def v5_suffix(precise: str, sub: int, lazy: int, prefetch: int, skew: int, qsmem: int = 0, inplace: int = 0,
+              csmem: int = 0) -> str:
     """A v5 label's knobs away from the default: precise ("k", "v", "fp16" for neither), the subnormal unpack
     ("sub"), the lazy rescale ("lazy"), the scales' prefetch ("pf"), the skewed loop ("skew"), the query in
-    shared memory ("qs") and the in-place unpack ("ip")."""
+    shared memory ("qs"), the in-place unpack ("ip") and the group start from shared memory ("cs")."""
     return (f" {precise or 'fp16'}" if precise != "kv" else "") + (" sub" if sub else "") + \
         (" lazy" if lazy else "") + (" pf" if prefetch else "") + (" skew" if skew else "") + \
-        (" qs" if qsmem else "") + (" ip" if inplace else "")
+        (" qs" if qsmem else "") + (" ip" if inplace else "") + (" cs" if csmem else "")
 
 
 def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
@@ -112,13 +115,13 @@ def specs(kt) -> list[tuple[str, object, dict, dict, dict]]:
         *[(f"decode split v4 {unpack}", kt._load_gluon().decode_split_v4, split,
            dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=64, PTX=unpack == "ptx"), {"num_warps": 1})
           for unpack in ("magic", "ptx")],
-        *[(f"decode split v5 s{st}{v5_suffix(pk, sub, lazy, pf, sk, qs, ip)}{f' r{reg}' if reg else ''}",
+        *[(f"decode split v5 s{st}{v5_suffix(pk, sub, lazy, pf, sk, qs, ip, cm)}{f' r{reg}' if reg else ''}",
            kt._load_gluon().decode_split_v5, split,
            dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=64, STAGES=st, PRECISE_K="k" in pk, PRECISE_V="v" in pk,
                 SUB=bool(sub), LAZY=bool(lazy), PREFETCH=bool(pf), SKEW=bool(sk), QSMEM=bool(qs),
-                INPLACE=bool(ip)),
+                INPLACE=bool(ip), CSMEM=bool(cm)),
            {"num_warps": 1, **({"maxnreg": reg} if reg else {})})
-          for st, pk, reg, sub, lazy, pf, sk, qs, ip in ((*c, 0)[:9] for c in V5_CASES)],
+          for st, pk, reg, sub, lazy, pf, sk, qs, ip, cm in ((*c, 0, 0)[:10] for c in V5_CASES)],
         *[(v6_label(st, pk, reg), kt._load_gluon().decode_split_v6, split,
            dict(offs, HKV=4, QPK=6, D=256, T=128, NSPLIT=64, STAGES=st, PRECISE_K="k" in pk, PRECISE_V="v" in pk),
            {"num_warps": 2, **({"maxnreg": reg} if reg else {})})

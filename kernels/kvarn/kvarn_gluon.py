@@ -56,6 +56,10 @@ if "unpack_asm" not in globals():
 _ASM = globals()["unpack_asm"]
 _copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 """cp.async, global -> shared (Triton 3.6 calls it async_copy_global_to_shared, 3.9 async_load)."""
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+"""bar.sync of the program's threads (Triton 3.9 calls it barrier, 3.6 thread_barrier)."""
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+"""Whether a shared-memory view is re-laid out by .reinterpret (Triton 3.9) or ._reinterpret (3.6): _view."""
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 """One warp's mma.m16n8k16 accumulator: scores S^T [16 tokens, 8 rows] and acc [256 channels, 8 rows]."""
@@ -71,6 +75,14 @@ V_HALF = gl.constexpr(gl.DistributedLinearLayout(
     warp_bases=[], block_bases=[], shape=[16, 8, 4]))
 """V codes of one 128-channel half [token, x, byte]: lane (4 x + u) holds tokens 2u, 2u + 1, 2u + 8, 2u + 9,
 bytes 8 x + 4 c + [0, 4) of half c: after the crumb split and a transpose, the A fragment of P.V."""
+K_SCALES_V5 = gl.constexpr(gl.SharedLinearLayout(
+    offset_bases=[[0, 32], [0, 8], [0, 1], [0, 16], [1, 0], [2, 0], [0, 2], [0, 4]]))
+"""A head's 256 K channel scales as stored (channel order) viewed as [chunk C, operand index k]: element (C, k) is
+channel _q_channels(k, C, WORDS=True) — channel bit i is the coordinate bit basis i names (v5's CSMEM)."""
+V_SCALES = gl.constexpr(gl.SharedLinearLayout(
+    offset_bases=[[0, 8], [0, 16], [0, 32], [0, 64], [1, 0], [0, 1], [0, 2], [0, 4]]))
+"""A head's 256 V channel scales as stored viewed as [half c, acc row R]: element (c, R) is channel
+32 (R & 7) + 16 c + (R >> 3), the channel of acc_c's row R (_run_start's vch0, vch1; v5's CSMEM)."""
 
 _K0, _K4 = _ASM[0, 15], _ASM[4, 15]
 _V0, _V2, _V4, _V6 = _ASM[0, 3], _ASM[2, 3], _ASM[4, 3], _ASM[6, 3]
@@ -101,13 +113,19 @@ def _split16(x):
 def _q_chunk(qrow, qmask, kcs, kb, C: gl.constexpr, WORDS: gl.constexpr):
     """Chunk C of the query, gathered in the K map's channel order (v4's, or v5's for word unpacking: WORDS),
     times the group's K channel scales."""
+    kch = _q_channels(kb, C, WORDS)
+    return gl.load(qrow + kch[:, None], mask=qmask, other=0.0) * gl.load(kcs + kch).to(gl.float32)[:, None]
+
+
+@gluon.jit
+def _q_channels(kb, C: gl.constexpr, WORDS: gl.constexpr):
+    """The channel of chunk C's operand index kb in the K map's order (v4's, or v5's for word unpacking: WORDS;
+    K_SCALES_V5 is the WORDS map as a shared-memory view)."""
     if WORDS:
         k = kb
-        kch = 64 * ((k >> 1) & 3) + 16 * C + 8 * ((k >> 4) & 1) + 2 * ((k >> 3) & 1) + 4 * (k & 1) + (k >> 5)
-    else:
-        k = kb + 64 * C
-        kch = 64 * ((k >> 1) & 3) + 4 * (k >> 4) + 2 * ((k >> 3) & 1) + (k & 1)
-    return gl.load(qrow + kch[:, None], mask=qmask, other=0.0) * gl.load(kcs + kch).to(gl.float32)[:, None]
+        return 64 * ((k >> 1) & 3) + 16 * C + 8 * ((k >> 4) & 1) + 2 * ((k >> 3) & 1) + 4 * (k & 1) + (k >> 5)
+    k = kb + 64 * C
+    return 64 * ((k >> 1) & 3) + 4 * (k >> 4) + 2 * ((k >> 3) & 1) + (k & 1)
 
 
 @gluon.jit
@@ -116,10 +134,13 @@ def _query(qrow, qmask, kcs, kb, S_L: gl.constexpr, WORDS: gl.constexpr = False,
     sums (for the token offsets) and largest |values| in the scores' layout S_L. LO16 (v5's in-place unpack, WORDS
     order): the operands of low-nibble channels (k < 32 of a chunk) x 16, as its high nibbles come out 16 x code;
     the dots are then 16 x, which the caller folds into the row scale."""
-    c0 = _q_chunk(qrow, qmask, kcs, kb, 0, WORDS)
-    c1 = _q_chunk(qrow, qmask, kcs, kb, 1, WORDS)
-    c2 = _q_chunk(qrow, qmask, kcs, kb, 2, WORDS)
-    c3 = _q_chunk(qrow, qmask, kcs, kb, 3, WORDS)
+    return _query_of(_q_chunk(qrow, qmask, kcs, kb, 0, WORDS), _q_chunk(qrow, qmask, kcs, kb, 1, WORDS),
+                     _q_chunk(qrow, qmask, kcs, kb, 2, WORDS), _q_chunk(qrow, qmask, kcs, kb, 3, WORDS), kb, S_L, LO16)
+
+
+@gluon.jit
+def _query_of(c0, c1, c2, c3, kb, S_L: gl.constexpr, LO16: gl.constexpr):
+    """_query's operands, row sums and largest |values| from the four chunks of q * K channel scale."""
     qsum = gl.sum(c0, axis=0) + gl.sum(c1, axis=0) + gl.sum(c2, axis=0) + gl.sum(c3, axis=0)
     amax = gl.maximum(gl.maximum(gl.max(gl.abs(c0), axis=0), gl.max(gl.abs(c1), axis=0)),
                       gl.maximum(gl.max(gl.abs(c2), axis=0), gl.max(gl.abs(c3), axis=0)))
@@ -233,18 +254,98 @@ def _group_open(f16_ptr, fb, h, qrow, qmask, kb, acc0, acc1, vch0, vch1, K_CS: g
     group's V channel units (they are kept in units of the current group's scales, see _group_close)."""
     q0, q1, q2, q3, qsum, amax = _query(qrow, qmask, f16_ptr + fb + K_CS // 2 + h * D, kb, ROWS, WORDS, LO16)
     vcs = f16_ptr + fb + V_CS // 2 + h * D
-    acc0 = acc0 / gl.load(vcs + vch0).to(gl.float32)[:, None]
-    acc1 = acc1 / gl.load(vcs + vch1).to(gl.float32)[:, None]
+    acc0 = acc0 * _rcp(gl.load(vcs + vch0).to(gl.float32))[:, None]
+    acc1 = acc1 * _rcp(gl.load(vcs + vch1).to(gl.float32))[:, None]
     return q0, q1, q2, q3, qsum, amax, vcs, acc0, acc1
+
+
+@gluon.jit
+def _rcp(x):
+    """1 / x as one MUFU.RCP (rcp.approx.ftz.f32, within 1 ulp): fp32 `/` compiles to div.full's range checks and
+    rescales, ~8 instructions a value, and a group's start divides acc by 32 V channel scales a thread (fp16 values:
+    normal, far from the range the checks are for)."""
+    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
 
 
 @gluon.jit
 def _group_close(vcs, acc0, acc1, vch0, vch1, offacc, tprev):
     """A group's end: the token-offset term added once and the sums scaled back by the V channel scales and the
     last token scale, so the next group (or the store) sees true values."""
-    acc0 = (acc0 + offacc[None, :]) * (gl.load(vcs + vch0).to(gl.float32) * tprev)[:, None]
-    acc1 = (acc1 + offacc[None, :]) * (gl.load(vcs + vch1).to(gl.float32) * tprev)[:, None]
+    return _group_close_of(gl.load(vcs + vch0).to(gl.float32), gl.load(vcs + vch1).to(gl.float32), acc0, acc1,
+                           offacc, tprev)
+
+
+@gluon.jit
+def _group_close_of(vcs0, vcs1, acc0, acc1, offacc, tprev):
+    """_group_close with the V channel scales of acc0's and acc1's rows given (fp32)."""
+    acc0 = (acc0 + offacc[None, :]) * (vcs0 * tprev)[:, None]
+    acc1 = (acc1 + offacc[None, :]) * (vcs1 * tprev)[:, None]
     return acc0, acc1
+
+
+@gluon.jit
+def _cs_fill(csk, csv, b, head_scales, K_CS: gl.constexpr, V_CS: gl.constexpr):
+    """A group's K and V channel scales of this head (2 x 512 B; head_scales: the page's fp16 base + this head's
+    [256] offsets, 16 B a lane) into buffer b of csk, csv by cp.async (v5's CSMEM); they join the next commit group."""
+    _copy(csk.index(b), head_scales + K_CS // 2)
+    _copy(csv.index(b), head_scales + V_CS // 2)
+
+
+@gluon.jit
+def _view(buf, shape: gl.constexpr, layout: gl.constexpr):
+    """buf (fp16) seen with another shape and shared layout: the same bytes, other coordinates."""
+    if _PUBLIC_REINTERPRET:
+        v = buf.reinterpret(gl.float16, shape, layout)
+    else:
+        v = buf._reinterpret(gl.float16, shape, layout)
+    return v
+
+
+@gluon.jit
+def _v_scales_smem(csv, b, ROWS16: gl.constexpr):
+    """Buffer b's V channel scales of acc0's and acc1's rows (fp32 in ROWS16, acc's row layout): read through
+    V_SCALES as [half, row] in a layout with the half in registers and the rows where ROWS16 has them, then split."""
+    VL: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0], [16, 0], [32, 0], [64, 0], [0, 1]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[], block_bases=[], shape=[128, 2])
+    x = _view(csv.index(b), [2, 128], V_SCALES).permute([1, 0]).load(VL).to(gl.float32)
+    v0, v1 = x.split()
+    return gl.convert_layout(v0, ROWS16), gl.convert_layout(v1, ROWS16)
+
+
+@gluon.jit
+def _v_unit_smem(cst, b, h, HKV: gl.constexpr, T: gl.constexpr):
+    """LAZY's unit from buffer b of cst (a group's V token scales of all heads, [T, HKV] as [T HKV / 8, 8] rows of
+    16 B): the largest of head h's (scales are >= 0, so the other heads' entries masked to 0 change nothing)."""
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
+    x = cst.index(b).load(L).to(gl.float32)
+    mine = (gl.arange(0, 8, layout=gl.SliceLayout(0, L)) % HKV == h)[None, :]
+    return gl.max(gl.max(gl.where(mine, x, 0.0), axis=1), axis=0)
+
+
+@gluon.jit
+def _group_open_smem(csk, csv, b, qr, kb, acc0, acc1, B_L: gl.constexpr, ROWS: gl.constexpr, ROWS16: gl.constexpr,
+                     LO16: gl.constexpr):
+    """_group_open from shared memory (v5's CSMEM): the query parked once a program (qr, the four chunks in their
+    operand layout) times buffer b's K channel scales read through K_SCALES_V5 (as [k, chunk] with the chunk in
+    registers and k where the operand has it, then split), and acc into buffer b's V channel units; no global load
+    waits at the group's start."""
+    KL: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0], [0, 1], [0, 2]],
+        lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]], warp_bases=[], block_bases=[], shape=[64, 4])
+    x = _view(csk.index(b), [4, 64], K_SCALES_V5).permute([1, 0]).load(KL).to(gl.float32)
+    e, o = x.reshape([64, 2, 2]).split()     # chunk 2 a + c: e holds c = 0 (chunks 0, 2), o c = 1 (1, 3)
+    k0, k2 = e.split()
+    k1, k3 = o.split()
+    S: gl.constexpr = gl.SliceLayout(1, B_L)
+    q0, q1, q2, q3, qsum, amax = _query_of(qr.index(0).load(B_L) * gl.convert_layout(k0, S)[:, None],
+                                           qr.index(1).load(B_L) * gl.convert_layout(k1, S)[:, None],
+                                           qr.index(2).load(B_L) * gl.convert_layout(k2, S)[:, None],
+                                           qr.index(3).load(B_L) * gl.convert_layout(k3, S)[:, None],
+                                           kb, ROWS, LO16)
+    vcs0, vcs1 = _v_scales_smem(csv, b, ROWS16)
+    return q0, q1, q2, q3, qsum, amax, acc0 * _rcp(vcs0)[:, None], acc1 * _rcp(vcs1)[:, None]
 
 
 @gluon.jit
@@ -580,7 +681,7 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
                     NSPLIT: gl.constexpr, STAGES: gl.constexpr, PRECISE_K: gl.constexpr = True,
                     PRECISE_V: gl.constexpr = True, SUB: gl.constexpr = False, LAZY: gl.constexpr = False,
                     PREFETCH: gl.constexpr = False, SKEW: gl.constexpr = False, QSMEM: gl.constexpr = False,
-                    INPLACE: gl.constexpr = False):
+                    INPLACE: gl.constexpr = False, CSMEM: gl.constexpr = False):
     """v4's program (s, h, j) with every tile's codes and token scales copied STAGES - 1 tiles ahead into a ring
     of shared memory (cp.async), so no global load waits in the token loop; codes unpacked a word at a time.
     PRECISE_K / PRECISE_V: the query / p as fp16 hi + lo operands (two mma each, v1's precision) or hi alone.
@@ -595,7 +696,10 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     lie in their word, not shifted down first (_k_word_ptx / _v_word_ptx: one shift a K word, not three; two more
     permutes for two V words, not twelve shifts): a K word's high nibbles come out 16 x code, folded into the query's
     low-nibble operands (x 16) and the dots' row scale (/ 16); V crumb c comes out 4^c x code, the channel & 3 of
-    acc's row, folded into acc at a group's ends."""
+    acc's row, folded into acc at a group's ends. CSMEM: a group's start reads only shared memory: its K and V channel
+    scales were copied there by cp.async a group ahead (_cs_fill, two buffers) and the query's four chunks parked once
+    a program (10 KiB), where it otherwise loads both from memory (~160 loads a thread) and waits on them; with LAZY
+    also the group's V token scales of all heads (2 x 1 KiB), for the group's unit."""
     gl.static_assert(D == 256, "v5's channel maps are for head_dim 256")
     gl.static_assert(QPK <= 8, "v5 holds a KV head's query rows in the mma's 8 columns")
     gl.static_assert(HKV == 4, "v5 reads a tile's token scales as [16 tokens, 4 heads]")
@@ -630,9 +734,25 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
     vs = gl.allocate_shared_memory(gl.uint8, [STAGES * 2, 16, 8, 4], RING)
     ss = gl.allocate_shared_memory(gl.float16, [STAGES * 4, 16, HKV], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     qs = gl.allocate_shared_memory(gl.float16, [8 if QSMEM else 1, D // 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    csk = gl.allocate_shared_memory(gl.float16, [2 if CSMEM else 1, D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    csv = gl.allocate_shared_memory(gl.float16, [2 if CSMEM else 1, D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    qr = gl.allocate_shared_memory(gl.float32, [4 if CSMEM else 1, D // 4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    csofs = h * D + gl.arange(0, D, layout=gl.BlockedLayout([8], [32], [1], [0]))   # 16 B a lane
+    cst = gl.allocate_shared_memory(gl.float16, [2 if CSMEM and LAZY else 1, T * HKV // 8, 8],
+                                    gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    TS_CP: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
+    tsofs = (V_TS // 2 + gl.arange(0, T * HKV // 8, layout=gl.SliceLayout(1, TS_CP))[:, None] * 8
+             + gl.arange(0, 8, layout=gl.SliceLayout(0, TS_CP))[None, :])
     bt_row = bt_ptr + s.to(gl.int64) * stride_bt
     # an empty program (g0 >= g1) fills its ring from page 0 and reads none of it
     base = gl.load(bt_row + g0, mask=g0 < g1, other=0).to(gl.int64) * page_bytes
+    if CSMEM:  # the first group's channel scales (a commit group of their own) and the query, parked once
+        _cs_fill(csk, csv, 0, f16_ptr + base // 2 + csofs, K_CS, V_CS)
+        if LAZY:
+            _copy(cst.index(0), f16_ptr + base // 2 + tsofs)
+        async_copy.commit_group()
+        for c in gl.static_range(4):
+            qr.index(c).store(gl.load(qrow + _q_channels(kb, c, True)[:, None], mask=qmask, other=0.0))
     for i in gl.static_range(STAGES - 1):           # the first tiles, all in group g0
         _ring_fill(ks, vs, ss, i, u8_ptr + base + i * 16 * HKV * (D // 2) + kofs,
                    u8_ptr + base + i * 16 * HKV * (D // 4) + vofs, f16_ptr + base // 2 + i * 16 * HKV + sofs,
@@ -643,8 +763,19 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
         base_n = gl.load(bt_row + gl.minimum(g + 1, g1 - 1)).to(gl.int64) * page_bytes   # the last group: itself
         if PREFETCH:
             _prefetch_scales(u8_ptr + base_n, h, K_CS, V_CS, D)
-        q0, q1, q2, q3, qsum, amax, vcs, acc0, acc1 = _group_open(f16_ptr, fb, h, qrow, qmask, kb, acc0, acc1,
-                                                                 vch0, vch1, K_CS, V_CS, D, ROWS, True, INPLACE)
+        if CSMEM:
+            b = (g - g0) % 2
+            async_copy.wait_group(STAGES - 1)    # this group's scales: older than the ring's STAGES - 1 pending tiles
+            _barrier()                           # copied by other lanes than read them
+            q0, q1, q2, q3, qsum, amax, acc0, acc1 = _group_open_smem(csk, csv, b, qr, kb, acc0, acc1, B_L, ROWS,
+                                                                      ROWS16, INPLACE)
+            _cs_fill(csk, csv, 1 - b, f16_ptr + base_n // 2 + csofs, K_CS, V_CS)   # the next group's (last: its own)
+            if LAZY:
+                _copy(cst.index(1 - b), f16_ptr + base_n // 2 + tsofs)
+            vcs = f16_ptr
+        else:
+            q0, q1, q2, q3, qsum, amax, vcs, acc0, acc1 = _group_open(f16_ptr, fb, h, qrow, qmask, kb, acc0, acc1,
+                                                                     vch0, vch1, K_CS, V_CS, D, ROWS, True, INPLACE)
         if INPLACE:  # the dots come out 16 x (the query's low-nibble operands are); acc row R in units 4^-(vch & 3)
             amax = amax * (1.0 / 16.0)
             acc0 = acc0 * vf0[:, None]
@@ -657,7 +788,9 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             acc1 = acc1 * (1.0 / SUBNORMAL_UNIT)
         tprev = 1.0
         runit = 1.0
-        if LAZY:  # the group's largest V token scale of head h: acc's unit for the whole group
+        if LAZY and CSMEM:  # the group's largest V token scale of head h, from its copy (all heads' [T, HKV])
+            unit = _v_unit_smem(cst, b, h, HKV, T)
+        elif LAZY:  # the group's largest V token scale of head h: acc's unit for the whole group
             tg = gl.arange(0, T, layout=gl.BlockedLayout([T // 32], [32], [1], [0]))
             unit = gl.max(gl.load(f16_ptr + fb + V_TS // 2 + tg * HKV + h).to(gl.float32), axis=0)
             tprev = gl.where(unit > 0, unit, 1.0)
@@ -707,7 +840,11 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
         if INPLACE:
             acc0 = acc0 * (1.0 / vf0)[:, None]
             acc1 = acc1 * (1.0 / vf1)[:, None]
-        acc0, acc1 = _group_close(vcs, acc0, acc1, vch0, vch1, offacc, tprev)
+        if CSMEM:
+            vcs0, vcs1 = _v_scales_smem(csv, b, ROWS16)
+            acc0, acc1 = _group_close_of(vcs0, vcs1, acc0, acc1, offacc, tprev)
+        else:
+            acc0, acc1 = _group_close(vcs, acc0, acc1, vch0, vch1, offacc, tprev)
         base = base_n
     async_copy.wait_group(0)
     _store_split(o_ptr, ml_ptr, acc0, acc1, m_i, l_i, vch0, vch1, (s * HQ + h * QPK) * NSPLIT + j, QPK, NSPLIT, D,
@@ -846,7 +983,7 @@ def decode_split_v6(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
         base_n = gl.load(bt_row + gl.minimum(g + 1, g1 - 1)).to(gl.int64) * page_bytes
         q0, q1, qsum, amax = _query3(qrow, qmask, f16_ptr + fb + K_CS // 2 + h * D, kb, wq, ROWS)
         vcs = f16_ptr + fb + V_CS // 2 + h * D
-        acc = acc / gl.load(vcs + vch).to(gl.float32)[:, :, None]
+        acc = acc * _rcp(gl.load(vcs + vch).to(gl.float32))[:, :, None]
         tprev = 1.0
         offacc = gl.zeros([8], gl.float32, layout=ROWS)
         for t0 in range(0, T, 16):

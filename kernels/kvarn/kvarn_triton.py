@@ -769,7 +769,8 @@ def _sm_shared(device: torch.device) -> int:
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 0)
 
 
-def _resident(device: torch.device, maxnreg: int | None, stages: int, qsmem: bool = False, warps: int = 1) -> int:
+def _resident(device: torch.device, maxnreg: int | None, stages: int, qsmem: bool = False, warps: int = 1,
+              csmem: bool = False) -> int:
     """How many v4 / v5 / v6 programs an SM holds at once: by registers, 4 times what one of the SM's four
     schedulers holds (each has its own 16,384 registers; a warp takes 32 x the kernel's registers, maxnreg or the 255
     ptxas gives them, rounded up to 8), and for v5 its shared memory over the ring's (``stages`` tiles of 3,584 B,
@@ -778,10 +779,12 @@ def _resident(device: torch.device, maxnreg: int | None, stages: int, qsmem: boo
     10 counted the SM as one pool, and Nsight Compute and the sweep said 8 — an H100, 2026-12-07: 41 splits 456 us,
     33 splits 282 us), 168 makes it 12, 128 16; an sm86 SM's 100 KiB holds 6 programs with the query parked
     (qsmem), an sm90 SM's 228 KiB 13. A program of ``warps`` warps (v6: 2) counts that many warps, and 1 KiB more
-    shared memory (the scratch its warps sum their partial scores through)."""
+    shared memory (the scratch its warps sum their partial scores through); ``csmem`` 12 KiB more (two groups' channel
+    scales and the parked query, 10 KiB, and with ``lazy`` two groups' V token scales, 2 KiB: counted either way)."""
     regs = 4 * (16384 // (32 * -(-(maxnreg or 255) // 8) * 8)) // warps
     smem = _sm_shared(device) if stages else 0
-    return max(1, min(regs, smem // (stages * 3584 + 1024 + 8192 * qsmem + 1024 * (warps > 1))) if smem else regs)
+    need = stages * 3584 + 1024 + 8192 * qsmem + 1024 * (warps > 1) + 12288 * csmem
+    return max(1, min(regs, smem // need)) if smem else regs
 
 
 def _qsmem_default(device: torch.device, maxnreg: int | None, stages: int) -> bool:
@@ -802,6 +805,8 @@ V5_SKEW = False
 """v5's ``skew`` when the caller gives none."""
 V5_INPLACE = False
 """v5's ``inplace`` when the caller gives none."""
+V5_CSMEM = False
+"""v5's ``csmem`` when the caller gives none."""
 V5_QSMEM = None
 """v5's ``qsmem`` when the caller gives none; None: wherever parking the query costs no resident program
 (_qsmem_default: on an sm90 SM, not on an sm86 one)."""
@@ -873,7 +878,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
                      stages: int | None = None, unpack: str = DEFAULT_UNPACK,
                      maxnreg: int | None = None, lazy: bool | None = None,
                      prefetch: bool | None = None, skew: bool | None = None,
-                     qsmem: bool | None = None, inplace: bool | None = None) -> torch.Tensor:
+                     qsmem: bool | None = None, inplace: bool | None = None,
+                     csmem: bool | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V for one query token per sequence over its packed groups plus its tail.
 
     q [S, HQ, D]; block_table int32 [S, >= max_groups] (page of each full group); n_groups, tail_len
@@ -892,7 +898,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     dots before the previous tile's softmax and P.V, which needs a ring of 3 or more (its default then), and
     ``qsmem``: the query's operands in shared memory, read by each tile, not held in registers, and ``inplace``: codes
     masked where they lie in their word, not shifted down, the scale that leaves folded into the query and the
-    accumulator),
+    accumulator, and ``csmem``: a group's start reads only shared memory (its channel scales copied there by cp.async
+    a group ahead, the query parked once a program), where it otherwise waits on ~160 loads a thread),
     "v6" (kvarn_gluon.decode_split_v6: v5 on two warps a program, each with half the channels, so each holds half
     the accumulator and query; knobs splits, stages, maxnreg (default V6_MAXNREG) and precise; compiled, not yet
     timed on a GPU),
@@ -934,7 +941,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     if precise not in PRECISE:
         raise ValueError(f"precise {precise!r}: one of {PRECISE} (which operands are fp16 hi + lo)")
     for knob, value in (("lazy", lazy), ("prefetch", prefetch), ("skew", skew), ("qsmem", qsmem),
-                        ("inplace", inplace)):
+                        ("inplace", inplace), ("csmem", csmem)):
         if value is not None and variant != "v5":
             raise ValueError(f"{knob} {value} is a v5 knob; variant {variant!r} has no such choice (leave {knob} out)")
     if variant in ("v4", "v5", "v6"):
@@ -959,7 +966,9 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         maxnreg = V6_MAXNREG
     qsmem = V5_QSMEM if qsmem is None else qsmem
     qsmem = variant == "v5" and bool(_qsmem_default(q.device, maxnreg, stages) if qsmem is None else qsmem)
-    per_sm = _resident(q.device, maxnreg, stages if variant in ("v5", "v6") else 0, qsmem, num_warps) if gluon else 4
+    csmem = variant == "v5" and bool(V5_CSMEM if csmem is None else csmem)
+    per_sm = _resident(q.device, maxnreg, stages if variant in ("v5", "v6") else 0, qsmem, num_warps,
+                       csmem) if gluon else 4
     gps, nsplit = _splits(s_, hkv, max_groups, q.device, per_sm, V4_SPLITS[1] if gluon else 64, one_wave=gluon)
     if splits is not None and max_groups > 0:
         gps = math.ceil(max_groups / max(1, min(splits, max_groups)))
@@ -989,7 +998,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         if variant == "v5":
             kw.update(SUB=unpack == "subnormal", LAZY=V5_LAZY if lazy is None else bool(lazy),
                       PREFETCH=V5_PREFETCH if prefetch is None else bool(prefetch), SKEW=skewed,
-                      QSMEM=qsmem, INPLACE=V5_INPLACE if inplace is None else bool(inplace))
+                      QSMEM=qsmem, INPLACE=V5_INPLACE if inplace is None else bool(inplace), CSMEM=csmem)
         if stages is not None:
             kw["num_stages"] = stages
         if maxnreg is not None:
