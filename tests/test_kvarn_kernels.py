@@ -550,6 +550,34 @@ def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_wit
             assert row.get("spill_stores", 0) == 0, f"{name} {arch} spills under its cap: {row}"
 
 
+def _layout_coords(bases: list[list[int]], offset: int) -> list[int]:
+    """A linear layout's coordinates of one input index: the XOR of the bases of its set bits."""
+    c = [0] * len(bases[0])
+    for i, b in enumerate(bases):
+        if offset >> i & 1:
+            c = [x ^ y for x, y in zip(c, b, strict=True)]
+    return c
+
+
+@pytest.mark.skipif(CHILD, reason="runs once, in the parent process")
+def test_v5_csmem_views_read_each_channel_scale_where_the_channel_maps_want_it():
+    """csmem copies a head's 256 K and 256 V channel scales as stored (channel order) and reads them through two
+    shared linear layouts: K_SCALES_V5's element (chunk C, operand index k) must be the channel v5's query gathers at
+    (C, k) — 64 ((k >> 1) & 3) + 16 C + 8 ((k >> 4) & 1) + 2 ((k >> 3) & 1) + 4 (k & 1) + (k >> 5), the word-unpack
+    map of _q_channels — and V_SCALES's (half c, row R) the channel of acc_c's row R, 32 (R & 7) + 16 c + (R >> 3).
+    Both are bijections of the 256 offsets; a wrong basis scales some channel by another's scale."""
+    pytest.importorskip("triton.experimental.gluon")
+    g = _load()._load_gluon()
+    k_map = [_layout_coords(g.K_SCALES_V5.value.offset_bases, o) for o in range(256)]
+    v_map = [_layout_coords(g.V_SCALES.value.offset_bases, o) for o in range(256)]
+    assert sorted(map(tuple, k_map)) == [(c, k) for c in range(4) for k in range(64)]
+    assert sorted(map(tuple, v_map)) == [(c, r) for c in range(2) for r in range(128)]
+    for o, (c, k) in enumerate(k_map):
+        assert 64 * ((k >> 1) & 3) + 16 * c + 8 * ((k >> 4) & 1) + 2 * ((k >> 3) & 1) + 4 * (k & 1) + (k >> 5) == o
+    for o, (c, r) in enumerate(v_map):
+        assert 32 * (r & 7) + 16 * c + (r >> 3) == o
+
+
 @pytest.mark.skipif(CHILD, reason="runs once, in the parent process")
 def test_gluon_file_refuses_a_load_that_does_not_give_it_the_unpack_ptx():
     """kvarn_gluon.py unpacks with kvarn_triton's PTX (one source for both kernels); loaded on its own it says how to
