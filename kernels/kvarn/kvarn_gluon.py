@@ -765,7 +765,12 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             _prefetch_scales(u8_ptr + base_n, h, K_CS, V_CS, D)
         if CSMEM:
             b = (g - g0) % 2
-            async_copy.wait_group(STAGES - 1)    # this group's scales: older than the ring's STAGES - 1 pending tiles
+            # this group's scales landed: they joined the commit group of the last group's first tile (the first
+            # group's: one of their own before the ring's), followed by T / 16 - 1 tiles' groups (STAGES - 1 for g0)
+            if STAGES - 1 < T // 16:
+                async_copy.wait_group(STAGES - 1)
+            else:
+                async_copy.wait_group(T // 16 - 1)
             _barrier()                           # copied by other lanes than read them
             q0, q1, q2, q3, qsum, amax, acc0, acc1 = _group_open_smem(csk, csv, b, qr, kb, acc0, acc1, B_L, ROWS,
                                                                       ROWS16, INPLACE)
