@@ -793,11 +793,12 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             acc1 = acc1 * (1.0 / SUBNORMAL_UNIT)
         tprev = 1.0
         runit = 1.0
-        if LAZY and CSMEM:  # the group's largest V token scale of head h, from its copy (all heads' [T, HKV])
-            unit = _v_unit_smem(cst, b, h, HKV, T)
-        elif LAZY:  # the group's largest V token scale of head h: acc's unit for the whole group
-            tg = gl.arange(0, T, layout=gl.BlockedLayout([T // 32], [32], [1], [0]))
-            unit = gl.max(gl.load(f16_ptr + fb + V_TS // 2 + tg * HKV + h).to(gl.float32), axis=0)
+        if LAZY:  # the group's largest V token scale of head h: acc's unit for the whole group
+            if CSMEM:   # from its copy (all heads' [T, HKV])
+                unit = _v_unit_smem(cst, b, h, HKV, T)
+            else:
+                tg = gl.arange(0, T, layout=gl.BlockedLayout([T // 32], [32], [1], [0]))
+                unit = gl.max(gl.load(f16_ptr + fb + V_TS // 2 + tg * HKV + h).to(gl.float32), axis=0)
             tprev = gl.where(unit > 0, unit, 1.0)
             runit = 1.0 / tprev
             acc0 = acc0 * runit
