@@ -686,7 +686,8 @@ def test_the_cuda_prepass_at_65536_tokens_equals_the_spec_on_the_gpu(tmp_path):
 def test_innermost_loop_is_the_shortest_backward_branch_span_of_real_length():
     """A listing shaped like cuobjdump's: an outer loop holding an inner one (with a forward branch inside it) and a
     3-instruction spin loop. innermost_loop counts the inner loop's body, branch included, not the spin loop (too
-    short to be work), not the outer one, and nothing for a listing without a backward branch."""
+    short to be work), not the outer one, and nothing for a listing without a backward branch; loop_head the outer
+    loop's instructions before the inner one, and nothing where no loop encloses the inner."""
     def line(addr: int, text: str) -> str:
         return f"        /*{addr:04x}*/                   {text} ;   /* 0x0000000000000000 */"
 
@@ -700,3 +701,6 @@ def test_innermost_loop_is_the_shortest_backward_branch_span_of_real_length():
     assert kbuild.innermost_loop(sass, least=4) == {"HMMA.16816.F32": 5, "BRA": 2, "FMUL": 1, "LOP3.LUT": 1}
     assert kbuild.innermost_loop(sass, least=20) == {}
     assert kbuild.innermost_loop("\n".join(body)) == {}
+    # the outer loop's part before the inner one (a decode kernel's group start): the IADD3 at 0x10 alone
+    assert kbuild.loop_head(sass, least=4) == {"IADD3": 1}
+    assert kbuild.loop_head("\n".join(["code for sm_90", *inner]), least=4) == {}   # no enclosing loop

@@ -550,6 +550,31 @@ def test_gluon_kernels_compile_for_sm86_and_sm90_v4_without_shared_memory_v5_wit
             assert row.get("spill_stores", 0) == 0, f"{name} {arch} spills under its cap: {row}"
 
 
+@pytest.mark.skipif(CHILD, reason="compiles in the parent process (the child imports triton interpreted)")
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_v5_csmem_group_start_has_no_global_load(tmp_path):
+    """csmem's point, read from the compiled SASS (kvarn_compile_check.py --sass --json, sm90): v5's group start (the
+    group loop's part before the token loop) loads the query and the group's channel scales from memory without it
+    (over a hundred global loads a thread) and with it only the next group's page number from the block table (the
+    rest from shared memory, in fewer instructions), while the token loop stays within a few instructions of v5's."""
+    script = KERNEL_DIR.parents[1] / "bench" / "scripts" / "kvarn_compile_check.py"
+    out = tmp_path / "sass.json"
+    run = subprocess.run([sys.executable, str(script), "--arch", "90", "--only", "split v5 s2 qs", "--sass", "--json",
+                          str(out)], capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"},
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    plain, cs = rows["decode split v5 s2 qs"], rows["decode split v5 s2 qs cs"]
+
+    def loads(mix: dict[str, int], op: str) -> int:
+        return sum(n for name, n in mix.items() if name.split(".")[0] == op)
+
+    assert loads(plain["head"], "LDG") >= 128, plain["head"]
+    assert loads(cs["head"], "LDG") <= 1 and loads(cs["head"], "LDS") > 0, cs["head"]   # 1: the next page's number
+    assert sum(cs["head"].values()) < sum(plain["head"].values())
+    assert abs(sum(cs["loop"].values()) - sum(plain["loop"].values())) <= 32, (cs["loop"], plain["loop"])
+
+
 def _layout_coords(bases: list[list[int]], offset: int) -> list[int]:
     """A linear layout's coordinates of one input index: the XOR of the bases of its set bits."""
     c = [0] * len(bases[0])

@@ -9,10 +9,11 @@ compile loop is rig.kernels.build.compile_check, the one the int8 attention's re
 
     python bench/scripts/kvarn_compile_check.py [--arch 86,90] [--only LABEL] [--sass] [--json PATH]
 
---sass adds each kernel's SASS instruction mix (rig.kernels.build.sass_mix: static counts) and its innermost loop's
-(rig.kernels.build.innermost_loop: for a split kernel, one token tile's instructions): where the instructions go,
-without a GPU. --json writes the rows as data too (name, arch, shared_bytes, fits, ptxas's figures as numbers,
-error, the two mixes), for checks that read them.
+--sass adds each kernel's SASS instruction mix (rig.kernels.build.sass_mix: static counts), its innermost loop's
+(rig.kernels.build.innermost_loop: for a split kernel, one token tile's instructions) and the enclosing loop's part
+before it (rig.kernels.build.loop_head: a split kernel's group start): where the instructions go, without a GPU.
+--json writes the rows as data too (name, arch, shared_bytes, fits, ptxas's figures as numbers, error, the three
+mixes: sass, loop, head), for checks that read them.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ V5_CASES = [(2, "kv", 0, 0, 0, 0, 0, 0), (4, "kv", 0, 0, 0, 0, 0, 0), (4, "kv", 
             (2, "k", 168, 0, 0, 0, 0, 1), (2, "k", 128, 0, 0, 0, 0, 1), (2, "k", 168, 1, 1, 0, 0, 1),
             (2, "k", 128, 1, 1, 0, 0, 1), (2, "kv", 0, 0, 0, 0, 0, 1, 1), (2, "k", 0, 1, 1, 1, 0, 1, 1),
             (2, "kv", 0, 0, 0, 0, 0, 1, 0, 1), (2, "kv", 0, 0, 0, 0, 0, 0, 0, 1), (2, "k", 0, 1, 1, 0, 0, 1, 0, 1),
-            (3, "kv", 0, 0, 0, 0, 1, 1, 0, 1)]
+            (3, "kv", 0, 0, 0, 0, 1, 1, 0, 1), (2, "k", 0, 1, 1, 0, 0, 1)]
 """v5 split kernels checked: (stages, precise, maxnreg (0: none), subnormal unpack, lazy rescale, prefetch, skew,
 the query in shared memory[, the in-place unpack[, the group start from shared memory]])."""
 
@@ -159,7 +160,8 @@ def main() -> int:
     import triton
 
     print(f"KVarN kernels compiled without a GPU, triton {triton.__version__}")
-    sass_col = (" SASS instruction mix | innermost loop (one iteration) |", "---|---|") if a.sass else ("", "")
+    sass_col = (" SASS instruction mix | innermost loop (one iteration) | the loop around it, before it (a group's"
+                " start) |", "---|---|---|") if a.sass else ("", "")
     print(f"\n| kernel | arch | shared bytes | within the arch's shared memory | ptxas |{sass_col[0]}\n"
           f"|---|---|---:|---|---|{sass_col[1]}")
     bad = 0
@@ -167,13 +169,13 @@ def main() -> int:
     chosen = (e for e in entries(kt, [int(x) for x in a.arch.split(",")]) if a.only in e["name"])
     for c in kbuild.compile_check(chosen, sass=a.sass):
         rows.append({"name": c.name, "arch": c.arch, "shared_bytes": c.shared_bytes, "fits": c.fits, **c.usage,
-                     "ptxas": c.ptxas, "error": c.error, "sass": c.sass, "loop": c.loop})
+                     "ptxas": c.ptxas, "error": c.error, "sass": c.sass, "loop": c.loop, "head": c.head})
         if c.error:
             bad += 1
             print(f"| {c.name} | {c.arch} | - | - | FAILED: {c.error} |")
             continue
         bad += not c.fits
-        mix = f" {c.sass_summary()} | {c.loop_summary()} |" if a.sass else ""
+        mix = f" {c.sass_summary()} | {c.loop_summary()} | {c.head_summary()} |" if a.sass else ""
         print(f"| {c.name} | {c.arch} | {c.shared_bytes:,} | {'yes' if c.fits else 'NO'} | {c.ptxas} |{mix}")
     if a.json:
         write_atomic(a.json, json.dumps({"triton": triton.__version__, "rows": rows}, indent=2) + "\n")

@@ -222,13 +222,34 @@ def innermost_loop(sass: str, least: int = 64) -> dict[str, int]:
     of at least ``least`` instructions (shorter ones are spin or tail loops). Where a kernel's work is a token loop,
     this is one iteration's instructions, what a static count of the whole kernel blurs with its prologue and
     once-a-group work. Branches inside the loop (a rarely taken rescale) count as if taken. {} without a loop."""
+    lines, inner, _ = _loops(sass, least)
+    return _mix_between(lines, *inner) if inner else {}
+
+
+def loop_head(sass: str, least: int = 64) -> dict[str, int]:
+    """The SASS mix of the loop around the innermost one (innermost_loop's), from its start to the inner loop's: what
+    runs once an outer iteration before the inner loop — a decode kernel's group start, where it loads a group's
+    scales and readies the query. {} without an enclosing loop."""
+    lines, inner, outer = _loops(sass, least)
+    return _mix_between(lines, outer[0], inner[0] - 1) if outer else {}
+
+
+def _loops(sass: str, least: int) -> tuple[list[tuple[int, str]], tuple[int, int] | None, tuple[int, int] | None]:
+    """A listing's (address, line) pairs, its innermost loop's span of at least ``least`` instructions and the
+    shortest span that encloses it (each a backward branch's target and address; None where there is none)."""
     lines = [(int(m.group(1), 16), line) for line in sass.splitlines() if (m := _SASS_ADDR.match(line))]
     spans = [(int(b.group(1), 16), at) for at, line in lines
              if (b := re.search(r"\bBRA (0x[0-9a-f]+)", line)) and int(b.group(1), 16) < at]
     spans = [(a, b) for a, b in spans if sum(a <= at <= b for at, _ in lines) >= least]
     if not spans:
-        return {}
-    a, b = min(spans, key=lambda span: span[1] - span[0])
+        return lines, None, None
+    inner = min(spans, key=lambda span: span[1] - span[0])
+    around = [(a, b) for a, b in spans if a < inner[0] and b > inner[1]]
+    return lines, inner, min(around, key=lambda span: span[1] - span[0]) if around else None
+
+
+def _mix_between(lines: list[tuple[int, str]], a: int, b: int) -> dict[str, int]:
+    """The instruction mix of the lines at addresses a ... b."""
     return dict(Counter(m.group(1) for at, line in lines if a <= at <= b and (m := _SASS_OP.match(line))))
 
 
@@ -252,6 +273,8 @@ class CompileCheck:
     sass: dict[str, int] = field(default_factory=dict)
     loop: dict[str, int] = field(default_factory=dict)
     """innermost_loop's mix: one iteration of the kernel's innermost loop."""
+    head: dict[str, int] = field(default_factory=dict)
+    """loop_head's mix: the enclosing loop's part before the innermost one (a decode kernel's group start)."""
 
     def sass_summary(self, top: int = 12) -> str:
         """The instruction count and the ``top`` opcodes (suffixes folded), then global/shared loads and stores
@@ -261,6 +284,10 @@ class CompileCheck:
     def loop_summary(self, top: int = 8) -> str:
         """sass_summary of the innermost loop (one iteration); '' without one."""
         return _mix_summary(self.loop, top)
+
+    def head_summary(self, top: int = 8) -> str:
+        """sass_summary of the enclosing loop's part before the innermost one; '' without one."""
+        return _mix_summary(self.head, top)
 
     @property
     def usage(self) -> dict[str, int]:
@@ -304,7 +331,7 @@ def compile_check(aots: Iterable[dict], sass: bool = False) -> Iterator[CompileC
         text = sass_text(compiled.asm["cubin"]) if sass else ""
         yield CompileCheck(aot["name"], arch, options, int(compiled.metadata.shared),
                            ptxas_usage(compiled.asm["ptx"], _target(aot, arch)),
-                           sass=_counts(text), loop=innermost_loop(text))
+                           sass=_counts(text), loop=innermost_loop(text), head=loop_head(text))
 
 
 def _spec_arch(aot: dict, module: str) -> str:
