@@ -266,17 +266,25 @@ def _causal_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 
 
 def test_prefill_attention_over_the_dequantized_cache(dev):
-    """A 160-token context (one group + a 32-token tail), then a 40-token chunk: causal attention vs fp32."""
+    """A 160-token context (one group + a 32-token tail), then a 40-token chunk: causal attention vs fp32 over what
+    the cache holds (its group as the kernels quantized it, dequantized; the tail and the chunk as given) within
+    5e-3 (typically ~2e-4: the fp16 output), and vs the torch reference's own quantization of the context within
+    2e-2 — the two quantizers may round an element at a code boundary differently, and one 2-bit V code a step
+    away moved a seed's result by 5.0e-3 (seed 454456025, the interpreter, a clean-clone CI of 2026-12-07)."""
     kt, device = dev
     r = kt.reference
     seed = _fresh_seed()
     q, k, v = _context(r, 200, seed % 10_000, queries=40)
     cache = kt.PagedKvarnCache(4, 1, 4, device=device)
     cache.append(0, k[:160].to(device), v[:160].to(device))
+    kd, vd = kt.dequantize_pages(cache.pool, cache.block_table[0, :1], torch.float32)
     out = kt.prefill_attention(cache, 0, q.to(device), k[160:].to(device), v[160:].to(device), torch.float16)
+    held = _causal_ref(q, torch.cat([kd.cpu(), k[128:].float()]), torch.cat([vd.cpu(), v[128:].float()]))
+    rel, cos = r.errors(held, out.cpu().float())
+    assert rel <= 5e-3, f"prefill rel error {rel} (cos {cos}) over the cache's contents, seed {seed}"
     want = _causal_ref(q, r.cached_context(k, r.K_BITS), r.cached_context(v, r.V_BITS))
     rel, cos = r.errors(want, out.cpu().float())
-    assert rel <= 5e-3, f"prefill rel error {rel} (cos {cos}), seed {seed}"
+    assert rel <= 2e-2, f"prefill rel error {rel} (cos {cos}) over the reference's quantization, seed {seed}"
     assert cache.host_groups[0] == 1 and cache.host_tail[0] == 72  # the chunk went into the cache
 
 
