@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -80,37 +81,84 @@ def download_command(lock: Path, out: Path, python: str, platform: str) -> list[
     return cmd
 
 
-def download(lock: Path, out: Path, python: str, platform: str, log: Path, console: Console) -> None:
-    """Run pip download with a progress bar over the lock's requirements; pip's output goes to ``log``."""
+ATTEMPTS = 3  # pip download runs, the first included, before a transient failure is reported
+RETRY_DELAY_S = 5.0  # seconds before the second run, doubled before each later one
+
+
+def _fetch(lock: Path, out: Path, python: str, platform: str, sink, progress: Progress, task) -> tuple[int, str]:
+    """One pip download run, its output appended to ``sink``, the bar advanced per requirement: (exit code, output)."""
+    proc = subprocess.Popen(download_command(lock, out, python, platform), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=bootstrap.ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # a live bar, not 8 KiB bursts
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        sink.write(line)
+        lines.append(line)
+        m = re.match(r"(?:Collecting|Processing) (\S+)", line)  # Processing: a file of a local index
+        if m:
+            progress.update(task, advance=1, description=m.group(1).rsplit("/", 1)[-1])
+    return proc.wait(), "".join(lines)
+
+
+def failure(text: str, python: str, platform: str, log: Path) -> tuple[str, bool]:
+    """What a failed pip download run's output says went wrong, and whether running it again may help.
+
+    A missing file or an sdist that does not build fails the same way every time. Anything else
+    is taken as the network's: pip retries a refused connection itself, but a read that times out
+    or a connection dropped mid-file ends the run with ``ERROR: Exception:`` and a traceback (or,
+    when the cut body is taken whole, a hash mismatch); a second run fetches only what the first
+    did not save, since pip saves a file only once its hash is checked.
+    """
+    missing = re.search(r"No matching distribution found for (\S+)", text)
+    if missing:
+        return (f"no file of {missing.group(1)} for Python {python} on {platform} on the reachable indexes "
+                f"(log: {log}); check pip's index / find-links"), False
+    at = [n.rsplit("/", 1)[-1] for n in re.findall(r"^(?:Collecting|Processing) (\S+)", text, re.M)[-1:]] or ["?"]
+    if "metadata-generation-failed" in text:
+        return (f"{at[0]} has no wheel for Python {python} on {platform}, and its sdist does not build here "
+                f"(log: {log}); pick a newer --platform if the target host allows"), False
+    lines = text.splitlines()
+    errors = [ln for ln in lines if ln.startswith("ERROR")][-1:] or ["see the log"]
+    cause = errors[0]
+    if cause.startswith("ERROR: Exception"):  # the traceback's last line names what broke
+        raised = [ln.strip() for ln in lines if re.match(r"\s*[\w.]+(Error|Exception|Timeout)\b.*:", ln)][-1:]
+        cause = f"{cause} {raised[0]}" if raised else cause
+    return f"pip download failed at {at[0]}: {cause} (log: {log})", True
+
+
+def download(lock: Path, out: Path, python: str, platform: str, log: Path, console: Console,
+             attempts: int = ATTEMPTS, delay_s: float = RETRY_DELAY_S) -> None:
+    """Run pip download with a progress bar over the lock's requirements; pip's output goes to ``log``.
+
+    A run that fails the way a network fails (see ``failure``) is run again, up to ``attempts``
+    runs in all: a wheelhouse of the whole CPU lock is ~3.4 GB from several hosts, and one read
+    that times out should not cost the files already saved, nor the caller's whole job.
+    """
+    if attempts < 1:
+        raise ValueError(f"attempts={attempts}: expected at least 1 (one pip download run)")
     total = len(bootstrap.read_lock(lock))
     out.mkdir(parents=True, exist_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     columns = (TextColumn("fetching"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                TimeElapsedColumn())
-    with log.open("w") as sink, Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("", total=total)
-        proc = subprocess.Popen(download_command(lock, out, python, platform), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, cwd=bootstrap.ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})  # a live bar, not 8 KiB bursts
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sink.write(line)
-            m = re.match(r"(?:Collecting|Processing) (\S+)", line)  # Processing: a file of a local index
-            if m:
-                progress.update(task, advance=1, description=m.group(1).rsplit("/", 1)[-1])
-        rc = proc.wait()
-    if rc != 0:
-        text = log.read_text(errors="replace")
-        missing = re.search(r"No matching distribution found for (\S+)", text)
-        if missing:
-            raise WheelhouseError(f"no file of {missing.group(1)} for Python {python} on {platform} on the "
-                                  f"reachable indexes (log: {log}); check pip's index / find-links")
-        at = [n.rsplit("/", 1)[-1] for n in re.findall(r"^(?:Collecting|Processing) (\S+)", text, re.M)[-1:]] or ["?"]
-        if "metadata-generation-failed" in text:
-            raise WheelhouseError(f"{at[0]} has no wheel for Python {python} on {platform}, and its sdist does not "
-                                  f"build here (log: {log}); pick a newer --platform if the target host allows")
-        errors = [ln for ln in text.splitlines() if ln.startswith("ERROR")][-1:] or ["see the log"]
-        raise WheelhouseError(f"pip download failed at {at[0]}: {errors[0]} (log: {log})")
+    with log.open("w") as sink:
+        for attempt in range(1, attempts + 1):
+            with Progress(*columns, console=console, transient=True) as progress:
+                rc, text = _fetch(lock, out, python, platform, sink, progress, progress.add_task("", total=total))
+            if rc == 0:
+                return
+            message, transient = failure(text, python, platform, log)
+            if not transient or attempt == attempts:
+                break
+            wait = delay_s * 2 ** (attempt - 1)
+            console.print(f"[yellow]{message}; run {attempt} of {attempts}, again in {wait:.0f} s "
+                          "(the files already saved are kept)[/]")
+            sink.write(f"\n== run {attempt + 1} of {attempts}\n")
+            time.sleep(wait)
+    if transient and attempts > 1:
+        message += f"; {attempts} runs all failed: run the same command again, saved files are kept"
+    raise WheelhouseError(message)
 
 
 def offline_check(lock: Path, out: Path, python: str, platform: str, log: Path) -> None:

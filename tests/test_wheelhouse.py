@@ -7,12 +7,16 @@ wheelhouse of the whole CPU lock and installs a working venv from it with every 
 
 from __future__ import annotations
 
+import hashlib
+import http.server
 import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -246,6 +250,130 @@ def test_gpu_carry_script_refuses_a_glob_that_matches_nothing(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip() == "gpu_carry: error: --leave-out 'nvidia-cublass' matches no requirement of the lock"
+
+
+# --- a network that fails mid-file ------------------------------------------------------------
+
+
+def _wheel(name: str, payload: bytes) -> bytes:
+    """A minimal valid wheel (pip reads its metadata once downloaded) carrying ``payload`` uncompressed."""
+    dist, version = name.split("-")[:2]
+    info = f"{dist}-{version}.dist-info"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr(f"{dist}/data.bin", payload)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: rig-test\nRoot-Is-Purelib: true\n"
+                                    "Tag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return buf.getvalue()
+
+
+class _Index:
+    """A loopback package index of one made-up wheel whose first ``stalls`` downloads stop halfway and hang.
+
+    What a slow mirror does to pip: the headers and half the body arrive, then nothing, until
+    pip's read timeout ends the run with ``ERROR: Exception:`` and a ReadTimeoutError.
+    """
+
+    def __init__(self, tmp: Path, stalls: int):
+        self.name = "rigstall-1.0-py3-none-any.whl"
+        self.body = _wheel(self.name, os.urandom(256 * 1024))
+        self.sha = hashlib.sha256(self.body).hexdigest()
+        self.stalls, self.gets, self.release = stalls, 0, threading.Event()
+        index = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                if self.path.rstrip("/") == "/simple/rigstall":
+                    page = f'<a href="/f/{index.name}#sha256={index.sha}">{index.name}</a>'.encode()
+                    return self._send(page, "text/html")
+                if self.path == f"/f/{index.name}":
+                    index.gets += 1
+                    if index.gets <= index.stalls:
+                        self.send_response(200)
+                        self.send_header("Content-Length", str(len(index.body)))
+                        self.end_headers()
+                        self.wfile.write(index.body[: len(index.body) // 2])
+                        self.wfile.flush()
+                        index.release.wait(30)  # past pip's timeout; let go when the test ends
+                        return None
+                    return self._send(index.body, "application/octet-stream")
+                self.send_error(404)
+                return None
+
+            def _send(self, body: bytes, kind: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.lock = tmp / "stall.txt"
+        self.lock.write_text(f"rigstall==1.0 \\\n    --hash=sha256:{self.sha}\n")
+
+    def env(self, monkeypatch, tmp: Path) -> None:
+        """pip sees this index alone, no cache, a 2 s read timeout."""
+        for k in [k for k in os.environ if k.startswith("PIP_")]:
+            monkeypatch.delenv(k)
+        for k, v in {"PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "", "PIP_NO_CACHE_DIR": "1",
+                     "PIP_INDEX_URL": f"http://127.0.0.1:{self.server.server_address[1]}/simple",
+                     "PIP_TIMEOUT": "2", "PIP_RETRIES": "0", "RIG_TORCH_INDEX": ""}.items():
+            monkeypatch.setenv(k, v)
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+
+
+@pytest.fixture
+def stalling(tmp_path, monkeypatch):
+    made = []
+
+    def make(stalls: int) -> _Index:
+        made.append(_Index(tmp_path, stalls))
+        made[-1].env(monkeypatch, tmp_path)
+        return made[-1]
+    yield make
+    for index in made:
+        index.close()
+
+
+def test_a_download_that_times_out_mid_file_is_run_again(stalling, tmp_path):
+    index = stalling(1)
+    out, log, console = tmp_path / "wheels", tmp_path / "log.txt", Console(file=io.StringIO(), width=300)
+    wheelhouse.download(index.lock, out, "3.11", envlock.WHEELHOUSE_PLATFORM, log, console, attempts=2, delay_s=0)
+    assert (out / index.name).read_bytes() == index.body and index.gets == 2
+    text = log.read_text()
+    assert "Read timed out" in text and "== run 2 of 2" in text
+    assert "run 1 of 2, again in 0 s" in console.file.getvalue()
+
+
+def test_a_download_that_keeps_timing_out_names_the_file_and_the_cause(stalling, tmp_path):
+    index = stalling(9)
+    out, log = tmp_path / "wheels", tmp_path / "log.txt"
+    with pytest.raises(wheelhouse.WheelhouseError) as e:
+        wheelhouse.download(index.lock, out, "3.11", envlock.WHEELHOUSE_PLATFORM, log, Console(file=io.StringIO()),
+                            attempts=2, delay_s=0)
+    msg = str(e.value)
+    assert msg.startswith("pip download failed at rigstall==1.0: ERROR: Exception") and "Read timed out" in msg
+    assert "2 runs all failed: run the same command again" in msg and index.gets == 2
+    assert not (out / index.name).exists()  # pip saves nothing it has not checked
+
+
+def test_a_file_the_index_lacks_is_not_fetched_again(stalling, tmp_path):
+    index = stalling(0)
+    index.lock.write_text(f"rigstall==2.0 \\\n    --hash=sha256:{index.sha}\n")
+    with pytest.raises(wheelhouse.WheelhouseError, match=r"no file of rigstall==2\.0 for Python 3\.11") as e:
+        wheelhouse.download(index.lock, tmp_path / "w", "3.11", envlock.WHEELHOUSE_PLATFORM, tmp_path / "log.txt",
+                            Console(file=io.StringIO()), attempts=3, delay_s=0)
+    assert "runs all failed" not in str(e.value) and "== run 2" not in (tmp_path / "log.txt").read_text()
 
 
 # --- the whole CPU lock ---------------------------------------------------------------------
