@@ -19,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
@@ -233,7 +234,31 @@ def _index_url() -> str:
     return os.environ.get("PIP_INDEX_URL") or r.stdout.strip() or "https://pypi.org/simple"
 
 
+INSTALL_RUNS = 3  # pip install runs from an index, the first included, while its downloads break off
+RETRY_DELAY_S = 5.0  # seconds before the second run, doubled before each later one
+
+
+def transient(log: str) -> str:
+    """What in a failed pip run's output says a download broke off mid-file ('' if nothing does).
+
+    pip retries a connection it cannot open, but not a read that times out or a connection cut
+    once a file is under way: the run ends with ``ERROR: Exception:`` and a traceback (or, a cut
+    body taken whole, a hash mismatch). A second run usually gets the file; a missing
+    distribution or an index that cannot be reached at all fails the same way again.
+    """
+    m = re.search(r"ReadTimeoutError|IncompleteRead|ProtocolError|Connection broken|ConnectionResetError|"
+                  r"THESE PACKAGES DO NOT MATCH THE HASHES", log)
+    if not m or not reachable(_index_url()):
+        return ""
+    return "a hash mismatch" if m.group(0).startswith("THESE") else m.group(0)
+
+
 def _pip_failure(log: str) -> str:
+    broke = transient(log)
+    if broke:
+        return (f"pip's downloads broke off {INSTALL_RUNS} runs in a row ({broke}) although the index answers: "
+                "a slow mirror or a flaky link; run the same command again (pip's cache keeps finished files), "
+                "or point PIP_INDEX_URL at a closer mirror")
     offline = re.search(r"NewConnectionError|Name or service not known|Temporary failure in name resolution|"
                         r"Network is unreachable|Connection refused|ConnectTimeout|ReadTimeout", log)
     if offline or not reachable(_index_url()):
@@ -294,11 +319,23 @@ def install(venv: Path, lock: Path, log_path: Path, wheelhouse: Path | None = No
     source = f" from {wheelhouse} (offline)" if wheelhouse else ""
     print(f"rig: installing {_shown(lock)}{source} into {venv} (first time: a few minutes; log: {log_path})",
           flush=True)
+    runs = 1 if wheelhouse else INSTALL_RUNS
     with log_path.open("w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env).returncode
-    if rc != 0:
-        text = log_path.read_text(errors="replace")
-        raise BootstrapError(_wheelhouse_failure(text, wheelhouse) if wheelhouse else _pip_failure(text))
+        for run in range(1, runs + 1):
+            start = log.tell()
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env).returncode
+            if rc == 0:
+                break
+            log.flush()
+            text = log_path.read_bytes()[start:].decode(errors="replace")
+            if run == runs or not transient(text):
+                raise BootstrapError(_wheelhouse_failure(text, wheelhouse) if wheelhouse else _pip_failure(text))
+            wait = RETRY_DELAY_S * 2 ** (run - 1)
+            print(f"rig: pip's download broke off ({transient(text)}); run {run} of {runs}, again in {wait:.0f} s",
+                  flush=True)
+            log.write(f"\n== run {run + 1} of {runs}\n")
+            log.flush()
+            time.sleep(wait)
     # rig itself is used from the checkout: a .pth line is an editable install without a build step.
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                           capture_output=True, text=True, check=True).stdout.strip()

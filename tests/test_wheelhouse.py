@@ -376,6 +376,22 @@ def test_a_file_the_index_lacks_is_not_fetched_again(stalling, tmp_path):
     assert "runs all failed" not in str(e.value) and "== run 2" not in (tmp_path / "log.txt").read_text()
 
 
+def test_bootstrap_installs_again_when_a_download_breaks_off(stalling, tmp_path, monkeypatch):
+    """bootstrap's first install, from an index: a download that times out mid-file is run again, then named."""
+    monkeypatch.setattr(bootstrap, "RETRY_DELAY_S", 0.0)
+    index, venv, log = stalling(1), tmp_path / "venv", tmp_path / "bootstrap.log"
+    bootstrap.install(venv, index.lock, log)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    assert (site / "rigstall" / "data.bin").is_file() and index.gets == 2
+    assert "Read timed out" in log.read_text() and "== run 2 of 3" in log.read_text()
+
+    index.stalls = 99
+    with pytest.raises(bootstrap.BootstrapError) as e:
+        bootstrap.install(tmp_path / "venv2", index.lock, log)
+    assert "broke off 3 runs in a row (ReadTimeoutError) although the index answers" in e.value.message
+    assert index.gets == 5
+
+
 # --- the whole CPU lock ---------------------------------------------------------------------
 
 
