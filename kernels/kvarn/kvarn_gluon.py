@@ -777,7 +777,6 @@ def decode_split_v5(qr_ptr, u8_ptr, f16_ptr, bt_ptr, stride_bt, ngroups_ptr, o_p
             _cs_fill(csk, csv, 1 - b, f16_ptr + base_n // 2 + csofs, K_CS, V_CS)   # the next group's (last: its own)
             if LAZY:
                 _copy(cst.index(1 - b), f16_ptr + base_n // 2 + tsofs)
-            vcs = f16_ptr
         else:
             q0, q1, q2, q3, qsum, amax, vcs, acc0, acc1 = _group_open(f16_ptr, fb, h, qrow, qmask, kb, acc0, acc1,
                                                                      vch0, vch1, K_CS, V_CS, D, ROWS, True, INPLACE)
