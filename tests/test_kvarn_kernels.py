@@ -487,7 +487,7 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
         got = cache.decode(q, **{"variant": "v2", **kw}).float()
         rel = ((got - v1).norm() / v1.norm()).item()
         assert rel <= 1e-5, f"{kw} vs v1: rel {rel}, seed {seed}"
-    for bad, name in (({"variant": "v6"}, "variant"), ({"variant": "v2", "block_t": 48}, "block_t"),
+    for bad, name in (({"variant": "v9"}, "variant"), ({"variant": "v2", "block_t": 48}, "block_t"),
                       ({"variant": "v3", "block_t": 8}, "block_t"), ({"variant": "v3", "unpack": "int"}, "unpack"),
                       ({"stages": 0}, "stages"), ({"maxnreg": 16}, "maxnreg"),
                       ({"variant": "v2", "unpack": "cvt"}, "v3/v4 knob"), ({"precise": "q"}, "precise"),
