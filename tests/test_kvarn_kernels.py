@@ -362,6 +362,7 @@ DECODE_VARIANTS = [pytest.param({"variant": "v1"}, id="v1"), pytest.param({"vari
                    pytest.param({"variant": "v5", "inplace": True, "unpack": "subnormal", "precise": "k", "lazy": True,
                                  "prefetch": True}, id="v5-inplace-subnormal-k-lazy-prefetch"),
                    pytest.param({"variant": "v5", "csmem": True}, id="v5-csmem"),
+                   pytest.param({"variant": "v5", "csmem": False}, id="v5-no-csmem"),
                    pytest.param({"variant": "v5", "csmem": True, "inplace": True, "unpack": "subnormal", "precise": "k",
                                  "lazy": True}, id="v5-csmem-inplace-subnormal-k-lazy"),
                    pytest.param({"variant": "v6"}, id="v6"), pytest.param({"variant": "v6", "precise": "k"},
@@ -412,14 +413,15 @@ def test_v5_resident_programs_and_where_it_parks_the_query(dev):
     """v4's / v5's one-wave split count rests on how many one-warp programs an SM holds: registers alone without CUDA
     (each of an SM's 4 schedulers has 16,384: 255 a thread: 8; caps of 200 / 168 / 128: 8 / 12 / 16 — 200 is not
     10, which an H100 showed: 41 splits took 1.6x 33's); on a GPU also the ring's and the parked query's shared
-    memory (2 stages: 8 KiB a program, 16 KiB with the query, 12 KiB more with csmem), and qsmem's default is on
-    exactly where parking the query keeps 8 programs an SM (sm90's 228 KiB: yes; sm86's 100 KiB: no)."""
+    memory (2 stages: 8 KiB a program, 16 KiB with the query, 12 KiB more with csmem), and qsmem's and csmem's
+    defaults are on exactly where they keep 8 programs an SM (sm90's 228 KiB: yes; sm86's 100 KiB: no)."""
     kt, device = dev
     d = torch.device(device)
     if device == "cpu":
         assert [kt._resident(d, r, 2) for r in (None, 232, 200, 176, 168, 128)] == [8, 8, 8, 8, 12, 16]
         assert kt._resident(d, None, 2, True) == kt._resident(d, None, 2, True, csmem=True) == 8
         assert [kt._resident(d, r, 2, warps=2) for r in (168, 128)] == [6, 8]   # v6: two-warp programs
+        assert kt._csmem_default(d, None, 2, True) and kt._csmem_default(d, None, 2, False)
         return
     smem = torch.cuda.get_device_properties(d).shared_memory_per_multiprocessor
     assert kt._resident(d, None, 2) == min(8, smem // 8192)
@@ -427,6 +429,9 @@ def test_v5_resident_programs_and_where_it_parks_the_query(dev):
     assert kt._resident(d, None, 2, True, csmem=True) == min(8, smem // (16384 + 12288))
     assert kt._resident(d, 128, 9) == min(16, smem // (9 * 3584 + 1024))
     assert kt._qsmem_default(d, None, 2) == (smem >= 8 * 16384)
+    assert kt._csmem_default(d, None, 2, True) == (smem >= 8 * (16384 + 12288))
+    assert kt._csmem_default(d, None, 2, False) == (smem >= 8 * (8192 + 12288))
+    assert kt._csmem_default(d, 128, 2, True) == (smem >= 16 * (16384 + 12288))   # 16 programs by registers
 
 
 @pytest.mark.parametrize("variant", DECODE_VARIANTS[:4])
@@ -481,7 +486,9 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                   {"variant": "v5", "qsmem": True, "maxnreg": 128, "splits": 3}, {"variant": "v5", "inplace": True},
                   {"variant": "v5", "inplace": True, "qsmem": False, "lazy": True, "splits": 3},
                   {"variant": "v5", "csmem": True}, {"variant": "v5", "csmem": True, "splits": 5, "stages": 9},
-                  {"variant": "v5", "csmem": True, "qsmem": False, "inplace": True, "splits": 1}, {"variant": "v6"},
+                  {"variant": "v5", "csmem": True, "qsmem": False, "inplace": True, "splits": 1},
+                  {"variant": "v5", "csmem": False}, {"variant": "v5", "csmem": False, "splits": 5, "stages": 9},
+                  {"variant": "v6"},
                   {"variant": "v6", "splits": 3, "stages": 9}, {"variant": "v6", "maxnreg": 255, "splits": 1}]
                  if device == "cuda" else [])):
         got = cache.decode(q, **{"variant": "v2", **kw}).float()

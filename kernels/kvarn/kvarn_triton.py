@@ -752,7 +752,8 @@ v6 (Gluon) is v5's tiling on two warps a program, each with half the channels (k
 V6_MAXNREG = 168
 """v6's register cap when the caller gives none: ptxas compiles it without spills at 168 for sm86 and sm90
 (kvarn_compile_check.py; 223 / 233 registers uncapped), which makes 3 warps a scheduler: 6 two-warp programs an SM,
-where 223 would make 4. Chosen from the compiled figures; not yet timed on a GPU (docs/kvarn.md)."""
+where 223 would make 4. Chosen from the compiled figures; on an H100 (2026-12-07, 8 x 32k) 272.6 us at 168 against
+293.2 uncapped and 260.7 at 128 (8 programs, with spills): all slower than v5's 238.9 (docs/kvarn.md)."""
 V4_SPLITS = (8, 256)
 """v4's and v5's default split count: one wave of V4_SPLITS[0] one-warp programs an SM (ptxas gives both 255
 registers a thread: 65,536 / (255 x 32) = 8 resident), at most V4_SPLITS[1] splits (the other variants': about 4
@@ -795,6 +796,14 @@ def _qsmem_default(device: torch.device, maxnreg: int | None, stages: int) -> bo
     return _resident(device, maxnreg, stages, True) >= _resident(device, maxnreg, stages, False)
 
 
+def _csmem_default(device: torch.device, maxnreg: int | None, stages: int, qsmem: bool) -> bool:
+    """v5's ``csmem`` unless the caller says: on where the SM's shared memory holds as many programs with the group
+    start's scales and query in it (12 KiB more a program) as without, off where fewer (an sm86 SM: 5 instead of 8,
+    not measured there). The rule qsmem's default follows, for the same reason: a one-wave split count rests on
+    the resident programs, and one fewer costs more than a cheaper group start saves."""
+    return _resident(device, maxnreg, stages, qsmem, csmem=True) >= _resident(device, maxnreg, stages, qsmem)
+
+
 GLUON_STAGES = range(2, 10)
 """v5's ring depths: at least 2 (one tile read while the next lands), at most one group ahead (128 / 16 + 1)."""
 V5_LAZY = False
@@ -805,8 +814,10 @@ V5_SKEW = False
 """v5's ``skew`` when the caller gives none."""
 V5_INPLACE = False
 """v5's ``inplace`` when the caller gives none."""
-V5_CSMEM = False
-"""v5's ``csmem`` when the caller gives none."""
+V5_CSMEM = None
+"""v5's ``csmem`` when the caller gives none; None: wherever it costs no resident program (_csmem_default: on an
+sm90 SM, not on an sm86 one). On an H100 (2026-12-07, CUDA-graph replays at 8 x 32k, precise "kv", one machine):
+196.7 us with it against 238.9 without (sweep configs 97 and 35 of that day), the same results."""
 V5_QSMEM = None
 """v5's ``qsmem`` when the caller gives none; None: wherever parking the query costs no resident program
 (_qsmem_default: on an sm90 SM, not on an sm86 one)."""
@@ -899,10 +910,11 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     ``qsmem``: the query's operands in shared memory, read by each tile, not held in registers, and ``inplace``: codes
     masked where they lie in their word, not shifted down, the scale that leaves folded into the query and the
     accumulator, and ``csmem``: a group's start reads only shared memory (its channel scales copied there by cp.async
-    a group ahead, the query parked once a program), where it otherwise waits on ~160 loads a thread),
+    a group ahead, the query parked once a program), where it otherwise waits on ~160 loads a thread; on by default
+    where it costs no resident program, _csmem_default),
     "v6" (kvarn_gluon.decode_split_v6: v5 on two warps a program, each with half the channels, so each holds half
-    the accumulator and query; knobs splits, stages, maxnreg (default V6_MAXNREG) and precise; compiled, not yet
-    timed on a GPU),
+    the accumulator and query; knobs splits, stages, maxnreg (default V6_MAXNREG) and precise; slower than v5 on an
+    H100, 272.6 against 238.9 us at 8 x 32k, 2026-12-07),
     "v4" (kvarn_gluon.decode_split_v4, a Gluon kernel: codes straight from global memory into
     tensor-core operands, one warp a program, no shared memory; compiled CUDA only, ``unpack`` "magic" or
     "ptx", no other knob but splits), "v3" (the default without Gluon; _decode_split_kernel_v3: codes read as stored,
@@ -966,7 +978,8 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         maxnreg = V6_MAXNREG
     qsmem = V5_QSMEM if qsmem is None else qsmem
     qsmem = variant == "v5" and bool(_qsmem_default(q.device, maxnreg, stages) if qsmem is None else qsmem)
-    csmem = variant == "v5" and bool(V5_CSMEM if csmem is None else csmem)
+    csmem = V5_CSMEM if csmem is None else csmem
+    csmem = variant == "v5" and bool(_csmem_default(q.device, maxnreg, stages, qsmem) if csmem is None else csmem)
     per_sm = _resident(q.device, maxnreg, stages if variant in ("v5", "v6") else 0, qsmem, num_warps,
                        csmem) if gluon else 4
     gps, nsplit = _splits(s_, hkv, max_groups, q.device, per_sm, V4_SPLITS[1] if gluon else 64, one_wave=gluon)
