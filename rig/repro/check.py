@@ -1,6 +1,6 @@
 """`inv repro --check`: the reproducibility checks CI runs, each a one-line verdict, one JSON report.
 
-- **locks**: every lock in locks/ agrees with the pins in pixi.toml (``rig.envlock``);
+- **locks**: every lock in locks/ agrees with the pins in pixi.toml (``rig.env.lock``);
 - **patches**: the series applies to a pristine copy of the installed vLLM's release wheel (the files it
   touches, extracted into a temporary folder — the venv's vLLM is never written), the result is what the
   installed vLLM holds, and reverting gives back every byte;
@@ -44,7 +44,7 @@ class CheckResult:
 
 
 def check_locks() -> CheckResult:
-    from rig.envlock import all_locks, disagreements
+    from rig.env.lock import all_locks, disagreements
 
     locks = all_locks()
     bad = [f"{env} (Python {py}): {d}" for env, py in locks for d in disagreements(env, py)]

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rig import bootstrap
+from rig.env import bootstrap
 
 MANIFEST = "manifest.json"
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rig import paths
-from rig.bootstrap import REQUIREMENT, normalize, parse_lock, reachable
+from rig.env.bootstrap import REQUIREMENT, normalize, parse_lock, reachable
 
 # Which pixi features make each lock (the same sets as pixi.toml's environments).
 LOCK_FEATURES: dict[str, tuple[str, ...]] = {"cpu": ("cpu", "test"), "gpu": ("gpu", "test")}

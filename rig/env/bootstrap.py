@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MIN_PYTHON = (3, 11)
 # Wheels with a local version label (+cpu) come from PyTorch's index, not PyPI.
 TORCH_INDEX = os.environ.get("RIG_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
@@ -221,7 +221,7 @@ def reachable(url: str, timeout: float = 3.0) -> bool:
 
 def _stamp(lock: Path) -> str:
     h = hashlib.sha256()
-    for f in (lock, Path(__file__), ROOT / "rig" / "envfix.py"):
+    for f in (lock, Path(__file__), ROOT / "rig" / "env" / "fix.py"):
         h.update(f.read_bytes())
     h.update(sys.version.encode())
     return h.hexdigest()
@@ -364,7 +364,7 @@ def ensure(env: str | None = None, wheelhouse: Path | None = None) -> Path:
         state = Path(os.environ.get("RIG_STATE_DIR", ROOT / ".rig"))
         install(venv, lock, state / "logs" / "bootstrap.log", wheelhouse)
         stamp_file.write_text(stamp)
-    fix = subprocess.run([str(venv / "bin" / "python"), "-m", "rig.envfix"], cwd=ROOT)
+    fix = subprocess.run([str(venv / "bin" / "python"), "-m", "rig.env.fix"], cwd=ROOT)
     if fix.returncode != 0:
         raise BootstrapError("the install fixes failed (see above); `rm -rf .venv` and run again")
     return venv

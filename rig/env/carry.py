@@ -22,8 +22,8 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rig.bootstrap import normalize
-from rig.wheelhouse import Row
+from rig.env.bootstrap import normalize
+from rig.env.wheelhouse import Row
 
 TAR = "wheels.tar"
 INSTALL = "install.sh"
