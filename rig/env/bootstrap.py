@@ -328,11 +328,11 @@ def install(venv: Path, lock: Path, log_path: Path, wheelhouse: Path | None = No
                 break
             log.flush()
             text = log_path.read_bytes()[start:].decode(errors="replace")
-            if run == runs or not transient(text):
+            broke = "" if run == runs else transient(text)
+            if not broke:
                 raise BootstrapError(_wheelhouse_failure(text, wheelhouse) if wheelhouse else _pip_failure(text))
             wait = RETRY_DELAY_S * 2 ** (run - 1)
-            print(f"rig: pip's download broke off ({transient(text)}); run {run} of {runs}, again in {wait:.0f} s",
-                  flush=True)
+            print(f"rig: pip's download broke off ({broke}); run {run} of {runs}, again in {wait:.0f} s", flush=True)
             log.write(f"\n== run {run + 1} of {runs}\n")
             log.flush()
             time.sleep(wait)
