@@ -413,7 +413,8 @@ def test_v5_resident_programs_and_where_it_parks_the_query(dev):
     """v4's / v5's one-wave split count rests on how many one-warp programs an SM holds: registers alone without CUDA
     (each of an SM's 4 schedulers has 16,384: 255 a thread: 8; caps of 200 / 168 / 128: 8 / 12 / 16 — 200 is not
     10, which an H100 showed: 41 splits took 1.6x 33's); on a GPU also the ring's and the parked query's shared
-    memory (2 stages: 8 KiB a program, 16 KiB with the query, 12 KiB more with csmem), and qsmem's and csmem's
+    memory (2 stages: 8 KiB a program, 16 KiB with the query, 10 KiB more with csmem, 12 with csmem and lazy: the
+    compiled kernels' static figures plus the driver's KiB), and qsmem's and csmem's
     defaults are on exactly where they keep 8 programs an SM (sm90's 228 KiB: yes; sm86's 100 KiB: no)."""
     kt, device = dev
     d = torch.device(device)
@@ -422,16 +423,20 @@ def test_v5_resident_programs_and_where_it_parks_the_query(dev):
         assert kt._resident(d, None, 2, True) == kt._resident(d, None, 2, True, csmem=True) == 8
         assert [kt._resident(d, r, 2, warps=2) for r in (168, 128)] == [6, 8]   # v6: two-warp programs
         assert kt._csmem_default(d, None, 2, True) and kt._csmem_default(d, None, 2, False)
+        assert kt._resident(d, 168, 2, csmem=True) == 12   # registers alone off CUDA
         return
     smem = torch.cuda.get_device_properties(d).shared_memory_per_multiprocessor
     assert kt._resident(d, None, 2) == min(8, smem // 8192)
     assert kt._resident(d, None, 2, True) == min(8, smem // 16384)
-    assert kt._resident(d, None, 2, True, csmem=True) == min(8, smem // (16384 + 12288))
+    assert kt._resident(d, None, 2, True, csmem=True) == min(8, smem // (16384 + 10240))
+    assert kt._resident(d, None, 2, True, csmem=True, lazy=True) == min(8, smem // (16384 + 12288))
+    assert kt._resident(d, 168, 2, csmem=True) == min(12, smem // (8192 + 10240))   # sm90: 12 (233,472 // 18,432)
     assert kt._resident(d, 128, 9) == min(16, smem // (9 * 3584 + 1024))
     assert kt._qsmem_default(d, None, 2) == (smem >= 8 * 16384)
-    assert kt._csmem_default(d, None, 2, True) == (smem >= 8 * (16384 + 12288))
-    assert kt._csmem_default(d, None, 2, False) == (smem >= 8 * (8192 + 12288))
-    assert kt._csmem_default(d, 128, 2, True) == (smem >= 16 * (16384 + 12288))   # 16 programs by registers
+    assert kt._csmem_default(d, None, 2, True) == (smem >= 8 * (16384 + 10240))
+    assert kt._csmem_default(d, None, 2, True, lazy=True) == (smem >= 8 * (16384 + 12288))
+    assert kt._csmem_default(d, None, 2, False) == (smem >= 8 * (8192 + 10240))
+    assert kt._csmem_default(d, 128, 2, True) == (smem >= 16 * (16384 + 10240))   # 16 programs by registers
 
 
 @pytest.mark.parametrize("variant", DECODE_VARIANTS[:4])
@@ -488,6 +493,7 @@ def test_decode_v2_to_v5_match_v1_and_reject_bad_knobs(dev):
                   {"variant": "v5", "csmem": True}, {"variant": "v5", "csmem": True, "splits": 5, "stages": 9},
                   {"variant": "v5", "csmem": True, "qsmem": False, "inplace": True, "splits": 1},
                   {"variant": "v5", "csmem": False}, {"variant": "v5", "csmem": False, "splits": 5, "stages": 9},
+                  {"variant": "v5", "csmem": True, "qsmem": False, "maxnreg": 168, "splits": 3},
                   {"variant": "v6"},
                   {"variant": "v6", "splits": 3, "stages": 9}, {"variant": "v6", "maxnreg": 255, "splits": 1}]
                  if device == "cuda" else [])):

@@ -82,8 +82,12 @@ CONFIGS = [BASELINE] + [
 ] + [
     {"variant": "v5", "csmem": False, **kw} for kw in (
         {}, {"inplace": True, "unpack": "subnormal", "precise": "k", "lazy": True})
+] + [
+    {"variant": "v5", "csmem": True, "qsmem": False, **kw} for kw in (
+        {"maxnreg": 168}, {"maxnreg": 168, "precise": "k"},
+        {"maxnreg": 168, "precise": "k", "unpack": "subnormal", "lazy": True, "inplace": True}, {})
 ]
-"""105 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
+"""109 configs: v1 (the reference), v2 at the 2026-12-05 sweep's best ("kv" and "k"; its other tiles and warps
 were slower there), and v3 (codes read as stored, K's as the large dot operand) at its defaults (block_t 128,
 8 warps, 1 stage, "magic" unpack, precise "kv") and one or two knobs changed at a time: stages 3 is Triton's
 default pipelining; unpack "ptx" the magic number four codes at a time in inline PTX; maxnreg 128 two 8-warp
@@ -105,7 +109,10 @@ warps a program, half the channels each) at its defaults (cap 168: 6 programs an
 no cap (255: 4 programs), a cap of 128 (8, with spills) and 33 splits; (97-102, 2026-12-07, late) v5 with its group
 start from shared memory (csmem: the channel scales copied a group ahead, the query parked once a program), alone, with
 precise "k", with the subnormal unpack + "k" + lazy, with inplace, with all of those, and a ring of 3; (103-104) v5
-without it (csmem's default on an sm90 GPU since 2026-12-07, late), alone and with all of those.
+without it (csmem's default on an sm90 GPU since 2026-12-07, late), alone and with all of those; (105-108) csmem
+without qsmem under a cap of 168 — 12 programs an sm90 SM, as 18,432 B of shared memory a program allow (with the
+query parked for the tiles too, 26,624 B: 8), ptxas spilling 156 B, 23 local loads a tile — with precise "k", with
+"k" + subnormal + lazy + inplace (lazy's 2 KiB: 11 programs), and uncapped (8 programs: what qsmem adds to csmem).
 precise "kv" is v1's precision; "k" passes the tests' 1e-3 bound; "" does not (a speed ceiling)."""
 SMOKE_CONFIGS = [BASELINE, {"variant": "v2"}, {"variant": "v3", "precise": "k", "unpack": "cvt", "splits": 2}]
 

@@ -771,7 +771,7 @@ def _sm_shared(device: torch.device) -> int:
 
 
 def _resident(device: torch.device, maxnreg: int | None, stages: int, qsmem: bool = False, warps: int = 1,
-              csmem: bool = False) -> int:
+              csmem: bool = False, lazy: bool = False) -> int:
     """How many v4 / v5 / v6 programs an SM holds at once: by registers, 4 times what one of the SM's four
     schedulers holds (each has its own 16,384 registers; a warp takes 32 x the kernel's registers, maxnreg or the 255
     ptxas gives them, rounded up to 8), and for v5 its shared memory over the ring's (``stages`` tiles of 3,584 B,
@@ -780,11 +780,13 @@ def _resident(device: torch.device, maxnreg: int | None, stages: int, qsmem: boo
     10 counted the SM as one pool, and Nsight Compute and the sweep said 8 — an H100, 2026-12-07: 41 splits 456 us,
     33 splits 282 us), 168 makes it 12, 128 16; an sm86 SM's 100 KiB holds 6 programs with the query parked
     (qsmem), an sm90 SM's 228 KiB 13. A program of ``warps`` warps (v6: 2) counts that many warps, and 1 KiB more
-    shared memory (the scratch its warps sum their partial scores through); ``csmem`` 12 KiB more (two groups' channel
-    scales and the parked query, 10 KiB, and with ``lazy`` two groups' V token scales, 2 KiB: counted either way)."""
+    shared memory (the scratch its warps sum their partial scores through); ``csmem`` 10 KiB more (two groups' channel
+    scales and the parked query), 12 KiB with ``lazy`` (two groups' V token scales): the compiled kernels' own
+    figures (kvarn_compile_check.py: `s2 cs` 17,408 B, `s2 qs cs` 25,600), so that csmem without qsmem under a cap
+    of 168 counts the 12 programs an sm90 SM holds (18,432 B each with the driver's KiB), not 11."""
     regs = 4 * (16384 // (32 * -(-(maxnreg or 255) // 8) * 8)) // warps
     smem = _sm_shared(device) if stages else 0
-    need = stages * 3584 + 1024 + 8192 * qsmem + 1024 * (warps > 1) + 12288 * csmem
+    need = stages * 3584 + 1024 + 8192 * qsmem + 1024 * (warps > 1) + (10240 + 2048 * lazy) * csmem
     return max(1, min(regs, smem // need)) if smem else regs
 
 
@@ -796,12 +798,13 @@ def _qsmem_default(device: torch.device, maxnreg: int | None, stages: int) -> bo
     return _resident(device, maxnreg, stages, True) >= _resident(device, maxnreg, stages, False)
 
 
-def _csmem_default(device: torch.device, maxnreg: int | None, stages: int, qsmem: bool) -> bool:
+def _csmem_default(device: torch.device, maxnreg: int | None, stages: int, qsmem: bool, lazy: bool = False) -> bool:
     """v5's ``csmem`` unless the caller says: on where the SM's shared memory holds as many programs with the group
-    start's scales and query in it (12 KiB more a program) as without, off where fewer (an sm86 SM: 5 instead of 8,
-    not measured there). The rule qsmem's default follows, for the same reason: a one-wave split count rests on
-    the resident programs, and one fewer costs more than a cheaper group start saves."""
-    return _resident(device, maxnreg, stages, qsmem, csmem=True) >= _resident(device, maxnreg, stages, qsmem)
+    start's scales and query in it (10 KiB more a program, 12 with lazy) as without, off where fewer (an sm86 SM: 5
+    instead of 8, not measured there). The rule qsmem's default follows, for the same reason: a one-wave split count
+    rests on the resident programs, and one fewer costs more than a cheaper group start saves."""
+    return _resident(device, maxnreg, stages, qsmem, csmem=True, lazy=lazy) >= _resident(device, maxnreg, stages,
+                                                                                          qsmem)
 
 
 GLUON_STAGES = range(2, 10)
@@ -978,10 +981,12 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         maxnreg = V6_MAXNREG
     qsmem = V5_QSMEM if qsmem is None else qsmem
     qsmem = variant == "v5" and bool(_qsmem_default(q.device, maxnreg, stages) if qsmem is None else qsmem)
+    lazy = variant == "v5" and bool(V5_LAZY if lazy is None else lazy)
     csmem = V5_CSMEM if csmem is None else csmem
-    csmem = variant == "v5" and bool(_csmem_default(q.device, maxnreg, stages, qsmem) if csmem is None else csmem)
+    csmem = variant == "v5" and bool(_csmem_default(q.device, maxnreg, stages, qsmem, lazy) if csmem is None
+                                     else csmem)
     per_sm = _resident(q.device, maxnreg, stages if variant in ("v5", "v6") else 0, qsmem, num_warps,
-                       csmem) if gluon else 4
+                       csmem, lazy) if gluon else 4
     gps, nsplit = _splits(s_, hkv, max_groups, q.device, per_sm, V4_SPLITS[1] if gluon else 64, one_wave=gluon)
     if splits is not None and max_groups > 0:
         gps = math.ceil(max_groups / max(1, min(splits, max_groups)))
@@ -1009,7 +1014,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
             kw.update(PRECISE_K="k" in precise, PRECISE_V="v" in precise)
             del kw["BLOCK_G"], kw["BLOCK_T"]
         if variant == "v5":
-            kw.update(SUB=unpack == "subnormal", LAZY=V5_LAZY if lazy is None else bool(lazy),
+            kw.update(SUB=unpack == "subnormal", LAZY=lazy,
                       PREFETCH=V5_PREFETCH if prefetch is None else bool(prefetch), SKEW=skewed,
                       QSMEM=qsmem, INPLACE=V5_INPLACE if inplace is None else bool(inplace), CSMEM=csmem)
         if stages is not None:
