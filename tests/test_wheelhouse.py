@@ -320,7 +320,7 @@ class _Index:
         self.lock = tmp / "stall.txt"
         self.lock.write_text(f"rigstall==1.0 \\\n    --hash=sha256:{self.sha}\n")
 
-    def env(self, monkeypatch, tmp: Path) -> None:
+    def env(self, monkeypatch) -> None:
         """pip sees this index alone, no cache, a 2 s read timeout."""
         for k in [k for k in os.environ if k.startswith("PIP_")]:
             monkeypatch.delenv(k)
@@ -340,7 +340,7 @@ def stalling(tmp_path, monkeypatch):
 
     def make(stalls: int) -> _Index:
         made.append(_Index(tmp_path, stalls))
-        made[-1].env(monkeypatch, tmp_path)
+        made[-1].env(monkeypatch)
         return made[-1]
     yield make
     for index in made:

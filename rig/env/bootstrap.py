@@ -234,8 +234,13 @@ def _index_url() -> str:
     return os.environ.get("PIP_INDEX_URL") or r.stdout.strip() or "https://pypi.org/simple"
 
 
-INSTALL_RUNS = 3  # pip install runs from an index, the first included, while its downloads break off
+PIP_RUNS = 3  # pip runs, the first included, while its downloads break off (this install; inv env.wheelhouse)
 RETRY_DELAY_S = 5.0  # seconds before the second run, doubled before each later one
+
+
+def backoff(run: int, delay_s: float) -> float:
+    """Seconds to wait after failed run ``run`` (1-based) before the next: ``delay_s``, then doubled each time."""
+    return delay_s * 2 ** (run - 1)
 
 
 def transient(log: str) -> str:
@@ -256,7 +261,7 @@ def transient(log: str) -> str:
 def _pip_failure(log: str) -> str:
     broke = transient(log)
     if broke:
-        return (f"pip's downloads broke off {INSTALL_RUNS} runs in a row ({broke}) although the index answers: "
+        return (f"pip's downloads broke off {PIP_RUNS} runs in a row ({broke}) although the index answers: "
                 "a slow mirror or a flaky link; run the same command again (pip's cache keeps finished files), "
                 "or point PIP_INDEX_URL at a closer mirror")
     offline = re.search(r"NewConnectionError|Name or service not known|Temporary failure in name resolution|"
@@ -319,7 +324,7 @@ def install(venv: Path, lock: Path, log_path: Path, wheelhouse: Path | None = No
     source = f" from {wheelhouse} (offline)" if wheelhouse else ""
     print(f"rig: installing {_shown(lock)}{source} into {venv} (first time: a few minutes; log: {log_path})",
           flush=True)
-    runs = 1 if wheelhouse else INSTALL_RUNS
+    runs = 1 if wheelhouse else PIP_RUNS
     with log_path.open("w") as log:
         for run in range(1, runs + 1):
             start = log.tell()
@@ -331,7 +336,7 @@ def install(venv: Path, lock: Path, log_path: Path, wheelhouse: Path | None = No
             broke = "" if run == runs else transient(text)
             if not broke:
                 raise BootstrapError(_wheelhouse_failure(text, wheelhouse) if wheelhouse else _pip_failure(text))
-            wait = RETRY_DELAY_S * 2 ** (run - 1)
+            wait = backoff(run, RETRY_DELAY_S)
             print(f"rig: pip's download broke off ({broke}); run {run} of {runs}, again in {wait:.0f} s", flush=True)
             log.write(f"\n== run {run + 1} of {runs}\n")
             log.flush()

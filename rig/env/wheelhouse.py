@@ -81,10 +81,6 @@ def download_command(lock: Path, out: Path, python: str, platform: str) -> list[
     return cmd
 
 
-ATTEMPTS = 3  # pip download runs, the first included, before a transient failure is reported
-RETRY_DELAY_S = 5.0  # seconds before the second run, doubled before each later one
-
-
 def _fetch(lock: Path, out: Path, python: str, platform: str, sink, progress: Progress, task) -> tuple[int, str]:
     """One pip download run, its output appended to ``sink``, the bar advanced per requirement: (exit code, output)."""
     proc = subprocess.Popen(download_command(lock, out, python, platform), stdout=subprocess.PIPE,
@@ -128,7 +124,7 @@ def failure(text: str, python: str, platform: str, log: Path) -> tuple[str, bool
 
 
 def download(lock: Path, out: Path, python: str, platform: str, log: Path, console: Console,
-             attempts: int = ATTEMPTS, delay_s: float = RETRY_DELAY_S) -> None:
+             attempts: int = bootstrap.PIP_RUNS, delay_s: float = bootstrap.RETRY_DELAY_S) -> None:
     """Run pip download with a progress bar over the lock's requirements; pip's output goes to ``log``.
 
     A run that fails the way a network fails (see ``failure``) is run again, up to ``attempts``
@@ -151,7 +147,7 @@ def download(lock: Path, out: Path, python: str, platform: str, log: Path, conso
             message, transient = failure(text, python, platform, log)
             if not transient or attempt == attempts:
                 break
-            wait = delay_s * 2 ** (attempt - 1)
+            wait = bootstrap.backoff(attempt, delay_s)
             console.print(f"[yellow]{message}; run {attempt} of {attempts}, again in {wait:.0f} s "
                           "(the files already saved are kept)[/]")
             sink.write(f"\n== run {attempt + 1} of {attempts}\n")
